@@ -52,3 +52,29 @@ def test_demo_resume_skips_finished_runs_and_keeps_rows(smoke):
 def test_report_without_results_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="no results.sqlite"):
         rebuild_report(tmp_path)
+
+
+def test_demo_records_erf_and_trf_and_reports_them(smoke):
+    """eval.erf_length: A1 ERF and A2 TRF land in results.sqlite and in the report's see-why section."""
+    _, _, res = smoke
+    out = res["out"]
+    con = sqlite3.connect(out / "results.sqlite")
+    rows = con.execute("SELECT r.scheme, s.length, s.value FROM results s JOIN runs r USING (run_id) "
+                       "WHERE s.protocol='erf' AND s.metric='erf_tokens'").fetchall()
+    assert len(rows) == 6  # 3 schemes x 2 seeds
+    for scheme, L, v in rows:
+        assert L == 128 and 1 <= v <= L - 1  # fewest most recent inputs holding 99% of the gradient
+    n_curves = con.execute("SELECT COUNT(*) FROM series WHERE protocol='erf' AND name='c'").fetchone()[0]
+    assert n_curves == 6
+    # ALiBi's trained bias is the fixed geometric one: every head converges, with a TRF; NoPE has no bias
+    conv = con.execute("SELECT s.value FROM results s JOIN runs r USING (run_id) WHERE r.scheme='alibi' "
+                       "AND s.protocol='trf' AND s.metric='converging_heads'").fetchall()
+    assert [v for (v,) in conv] == [2.0, 2.0]
+    assert not con.execute("SELECT 1 FROM results s JOIN runs r USING (run_id) WHERE r.scheme='none' "
+                           "AND s.protocol='trf'").fetchall()
+    md = (out / "erf.md").read_text()
+    alibi_row = next(line for line in md.splitlines() if line.startswith("| alibi |"))
+    assert "| 128 |" in alibi_row and "2/2" in alibi_row
+    assert "| none | 128 |" in md and "no bias" in md
+    assert "empirical receptive field" in (out / "report.html").read_text()
+    assert (out / "figures" / "erf.png").is_file() and (out / "figures" / "erf.svg").is_file()

@@ -71,6 +71,9 @@ class EvalConfig:
     batch_size: int = 4
     temperature: float = 1.0
     split: str = "test"
+    erf_length: int = 0  # sweeps: A1 ERF of predicting this token after evaluation (0 = off)
+    erf_segments: int = 4  # segments averaged for that ERF
+    trf_eps: float = 0.01  # sweeps: A2 TRF threshold on the trained scheme
 
 
 @dataclass
@@ -222,6 +225,9 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
     if any(L < 1 for L in cfg.eval.lengths):
         raise ConfigError(f"eval.lengths must be positive, got {cfg.eval.lengths}")
+    if cfg.eval.erf_length < 0 or cfg.eval.erf_segments < 1 or not 0 < cfg.eval.trf_eps < 1:
+        raise ConfigError("eval.erf_length must be >= 0 (0 = off), eval.erf_segments >= 1 and eval.trf_eps in (0, 1); "
+                          f"got {cfg.eval.erf_length}, {cfg.eval.erf_segments}, {cfg.eval.trf_eps}")
     if cfg.eval.split not in ("train", "valid", "test"):
         raise ConfigError(f"eval.split must be train, valid or test, got {cfg.eval.split!r}")
     from .eval.evaluate import check_protocols

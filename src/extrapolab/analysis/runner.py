@@ -121,3 +121,28 @@ def analyze_all(run_dir, out_dir=None, *, which: str = "best", tokens=None, erf_
     res["json"] = str(out / "analysis.json")
     atomic_write_json(out / "analysis.json", jsonable(res))
     return res
+
+
+def sweep_analysis(model, cfg, stream, *, length: int, segments: int = 4, eps: float = 0.01,
+                   block_size: int = 256) -> dict:
+    """The light per-run analysis a sweep records next to its perplexities (``eval.erf_length``).
+
+    A1: the cumulative gradient c [L] and ERF of predicting token ``length`` (Sandwich §5.1),
+    averaged over ``segments`` segments of ``stream``; learned APE is measured at L_tr (it has no
+    embedding beyond). A2 on the *trained* scheme: per-head convergence of sum exp(bias) and TRF
+    n_the(eps) (Qin eq. 22). Returns {"erf": {...}, "theory": {...}}.
+    """
+    L_tr = int(cfg.model.train_length)
+    L = L_tr if cfg.model.scheme == "learned" else int(length)
+    L = int(max(2, min(L, len(stream))))
+    segs = segments_from_stream(stream, L, segments)  # [N, L]
+    e = measure_erf(model, segs, opts=AttnOptions(impl="blocked", block_size=block_size))
+    out = {"erf": {"length": L, "c": [float(x) for x in e["c"]], "erf_tokens": e["erf_tokens"],
+                   "segments": e["segments"], "seconds": e["seconds"], "peak_memory_mb": e["peak_memory_mb"]}}
+    scheme = model.scheme
+    if scheme.has_bias:
+        rows = trf(scheme, eps, n=2**16)
+        conv = [r["converges"] for r in rows]
+        out["theory"] = {"eps": eps, "heads": len(rows), "converging_heads": sum(c is True for c in conv),
+                         "undetermined_heads": sum(c is None for c in conv), **trf_summary(rows)}
+    return out

@@ -124,6 +124,8 @@ class RelativeBias(PositionalScheme):
             return self.bias_from_distance(dist, layer).to(dtype)  # [H, n]
         key = (layer, device, dtype)
         cached = self._table_cache.get(key)
+        if cached is not None and cached.is_inference() and not torch.is_inference_mode_enabled():
+            cached = None  # built under inference_mode: autograd may not save it (e.g. ERF after eval)
         if cached is None or cached.shape[-1] < n:
             size = max(n, 2 * (cached.shape[-1] if cached is not None else 0), 256)
             with torch.no_grad():

@@ -19,6 +19,7 @@ from ..eval.stats import format_table, summary
 from ..io import atomic_write_text
 from .db import ResultsDB
 from .html import img_tag, md_table_to_html, page
+from .analysis_section import erf_table, plot_erf_overlay
 from .plots import plot_ppl_vs_length, plot_positionwise
 
 PROTOCOL_TITLES = {
@@ -133,6 +134,16 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
     atomic_write_text(out / "cost.md", ct)
     sections.append(("E8 cost per scheme", md_table_to_html(ct)))
     md_parts.append(f"## E8 cost\n\n{ct}")
+    erf_png = plot_erf_overlay(db, meta.get("schemes") or [], Ltr, figs / "erf")
+    if erf_png is not None or db.scalars("trf", "heads"):
+        et = erf_table(db, meta.get("schemes") or [], Ltr)
+        atomic_write_text(out / "erf.md", et)
+        title = "A1/A2 see why: empirical receptive field (Sandwich §5) and theoretical receptive field (Qin eq. 22)"
+        sections.append((title, md_table_to_html(et) + (img_tag(erf_png, "erf") if erf_png else "")
+                         + "<p>A scheme extrapolates when its ERF stays inside L_tr (curve reaching 0.99 inside "
+                           "the shaded band). TRF is computed from the trained bias formula; a divergent "
+                           "Σexp(bias) has no TRF.</p>"))
+        md_parts.append(f"## {title}\n\n{et}" + (f"\n![]({erf_png.relative_to(out)})\n" if erf_png else ""))
     analysis_pngs = sorted((out / "analysis").glob("*.png")) + sorted(out.glob("runs/*/analysis/*.png"))
     if analysis_pngs:  # written by `extrapolab analyze ... --out DIR/analysis` or `analyze all RUN`
         body = "".join(f"<h3>{html.escape(str(p.relative_to(out)))}</h3>{img_tag(p, p.stem)}" for p in analysis_pngs)
