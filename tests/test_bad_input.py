@@ -1,4 +1,4 @@
-"""Bad-input catalogue (SPEC §6 "Safe with bad input"): 45 cases, each a one-line error that
+"""Bad-input catalogue (SPEC §6 "Safe with bad input"): 47 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -7,18 +7,22 @@ name suggested); negative window; odd Sandwich d̄; C < 2 for sliding-dilated; a
 Lengths & memory (6): learned APE beyond L_tr; L_ex too big for dense attention (blocked instead);
 a batch that does not fit (one row at a time); a row that does not fit (explained); L_ex longer
 than the test split; check_lengths. Corpora (10): train split shorter than L_tr + 1; an empty valid
-split (fine with train.eval_batches=0); no document in the train split; empty file; empty folder; binary file; missing path; python3-doc missing
-(lookup at an empty folder, and an empty _sources folder); damaged prepared cache.
+split (fine with train.eval_batches=0); no document in the train split; empty file; empty folder;
+binary file; missing path; python3-doc missing (lookup at an empty folder, and an empty _sources
+folder); damaged prepared cache.
 Checkpoints (6): truncated; bit flip; garbage weights behind a consistent manifest; wrong
 architecture; none at all; disk full while writing one. Configs (4): newer version, older version,
 invalid YAML, not a mapping. Results database (4): locked beyond the timeout (direct and through a
-sweep), garbage bytes, truncated pages. Other (4): bad --lengths, bad --temperature, disk full
-while logging (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT.
-Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 2 as real
-``python -m extrapolab.cli.main`` subprocesses.
+sweep), garbage bytes, truncated pages. Runs in use (2): training into a run folder another process
+holds; a sweep reaching such a run (skipped, its row left alone). Other (4): bad --lengths, bad
+--temperature, disk full while logging (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT.
+Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
+``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
 into one ``error:`` line and exit 2 (the CLI tests raise one of each). Messages are printed as
-``[case] message`` (see them with ``pytest -s``).
+``[case] message`` (see them with ``pytest -s``); with ``$EXTRAPOLAB_CATALOGUE`` set every case
+is appended there as JSON, which ``scripts/catalogue.py`` turns into the table in
+docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -43,21 +47,39 @@ from extrapolab.cli.main import app
 from extrapolab.data import check_lengths, load, prepare
 from extrapolab.data.corpus import PROSE_HINT
 from extrapolab.eval import evaluate
-from extrapolab.io import UserError
+from extrapolab.io import UserError, run_lock
 from extrapolab.model.attention import AttnOptions
 from extrapolab.positional import SchemeError, build
 from extrapolab.report.db import ResultsDB
-from extrapolab.report.sweep import run_sweep
+from extrapolab.report.sweep import _run_job, run_sweep
 from extrapolab.train import load_checkpoint, load_model, train
 from extrapolab.train.checkpoint import MANIFEST, _sha256
 
 CLI = [sys.executable, "-m", "extrapolab.cli.main"]
+CLI_HOW = "CLI: exit 2"
 ERRORS = (UserError, SchemeError, C.ConfigError)
 
 
-def check(case: str, msg: str, *needles: str) -> str:
+CATALOGUE = os.environ.get("EXTRAPOLAB_CATALOGUE")  # scripts/catalogue.py: every case is appended there
+
+
+def record(case: str, msg: str, how: str) -> None:
+    """Append the observed message to $EXTRAPOLAB_CATALOGUE (the docs/reliability.md table)."""
+    if CATALOGUE:
+        with open(CATALOGUE, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"case": case, "how": how, "message": msg}) + "\n")
+
+
+def note(case: str, what: str) -> None:
+    """A catalogue case whose input is handled without an error message."""
+    print(f"[{case}] {what}")
+    record(case, what, "no error")
+
+
+def check(case: str, msg: str, *needles: str, how: str = "stored for that length; the rest runs") -> str:
     """One line, contains every needle (the problem and the fix)."""
     print(f"[{case}] {msg}")
+    record(case, msg, how)
     assert "\n" not in msg.strip() and "Traceback" not in msg, msg
     for n in needles:
         assert n in msg, f"{n!r} not in {msg!r}"
@@ -67,7 +89,7 @@ def check(case: str, msg: str, *needles: str) -> str:
 def raises(case: str, fn, *needles: str, exc=ERRORS) -> str:
     with pytest.raises(exc) as e:
         fn()
-    return check(case, str(e.value), *needles)
+    return check(case, str(e.value), *needles, how=f"raises {type(e.value).__name__}")
 
 
 def tree(root: Path) -> dict:
@@ -118,7 +140,7 @@ def copy_run(tiny, tmp_path) -> Path:
      ["positive even integer", "dbar=128"]),
     ("sliding-dilated C<2", ["model.scheme=sliding-dilated", "model.scheme_params={C: 1}"], ["integer >= 2", "C=2"]),
     ("kerple exponent", ["model.scheme=kerple-power", "model.scheme_params={r2: 3}"],
-     ["has no option 'r2'", "valid options: none"]),
+     ["r2 must be", "in (0, 2]", "Fact 3.5", "e.g. r2=1.0"]),
     ("t5 one bucket", ["model.scheme=t5", "model.scheme_params={num_buckets: 1}"], ["num_buckets >= 2"]),
     ("dim vs heads", ["model.dim=30", "model.heads=4"], ["divisible by model.heads=4"]),
 ])
@@ -131,8 +153,9 @@ def test_unknown_preset_lists_valid_ones():
     raises("unknown preset", lambda: C.resolve("demo-smok"), "unknown preset 'demo-smok'", "demo-smoke")
 
 
-def test_kerple_exponent_is_capped_not_configurable():
-    s = build("kerple-power", num_heads=2)
+def test_kerple_exponent_is_capped_during_training():
+    s = build("kerple-power", num_heads=2, r2=[0.5, 2.0])
+    assert s.r2.detach().tolist() == [0.5, 2.0] and s.options() == {"r2": [0.5, 2.0]}
     with torch.no_grad():
         s.r2.fill_(7.0)
     s.constrain_()
@@ -167,6 +190,7 @@ def test_long_length_falls_back_to_blocked_attention(tiny, monkeypatch):
     got = evaluate(model, tok, train_length=8, protocols=["nonoverlapping"], lengths=[256], num_tokens=512, opts=small)
     assert max(r for r, _ in rows) <= 32 and max(r * c for r, c in rows) < 256 * 256  # never L x L
     assert got["nonoverlapping"]["256"]["ppl"] == pytest.approx(ref["nonoverlapping"]["256"]["ppl"], rel=1e-5)
+    note("L_ex too big for dense attention", "switches to blocked attention (no L x L tensor); same perplexity")
 
 
 def _oom_model(tiny, when):
@@ -189,6 +213,7 @@ def test_batch_that_does_not_fit_runs_one_row_at_a_time(tiny):
     got = evaluate(_oom_model(tiny, lambda idx: idx.shape[0] > 1), tok, **kw)
     for L in ("8", "16"):
         assert got["nonoverlapping"][L]["ppl"] == pytest.approx(ref["nonoverlapping"][L]["ppl"], rel=1e-6)
+    note("batch does not fit", "re-run one row at a time; same perplexity")
 
 
 def test_row_that_does_not_fit_is_explained(tiny):
@@ -231,6 +256,7 @@ def test_no_valid_split(tiny, tmp_path):
     assert not (tmp_path / "r").exists()
     no_eval = C.resolve(None, [*tiny.over, "train.eval_batches=0"])
     assert train(no_eval, tmp_path / "r", data=data, progress=False)["steps"] == 4  # validation off: fine
+    note("empty valid split", "with train.eval_batches=0: trains without validation")
 
 
 @pytest.mark.parametrize("case, make, needles", [
@@ -424,6 +450,33 @@ def test_bad_timeout_variable(tmp_path, monkeypatch):
     assert not (tmp_path / "r.sqlite").exists()
 
 
+# ---- a run folder another process is using -------------------------------------------------------
+HOLD = ("import sys, time\nfrom extrapolab.io import run_lock\nwith run_lock(sys.argv[1], owner='holder'):\n"
+        "    print('held', flush=True)\n    time.sleep(600)\n")
+
+
+def test_run_folder_in_use(tiny, tmp_path):
+    out = tmp_path / "sweep"
+    run = out / "runs" / "r"  # a sweep's run folder
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        raises("run folder in use (train)", lambda: train(tiny.cfg, run, data=tiny.data, progress=False),
+               "is in use by another process", f"pid {holder.pid}: holder", "re-run the same command",
+               "another --run-dir")
+        assert not run.exists()
+        db = ResultsDB(out / "results.sqlite")
+        db.mark("r", dataset="d", scheme="alibi", label="alibi", seed=0, status="training", run_dir=str(run))
+        msg = _run_job((str(out), "r", tiny.cfg.to_dict(), "[1/2] r"), False)
+        check("run folder in use (sweep)", msg, "skipped, another process is on it", f"pid {holder.pid}",
+              "re-run this sweep later", how="the sweep goes on without it")
+        assert db.status("r") == "training" and not run.exists()  # its row and folder left alone
+        db.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # ---- the CLI -------------------------------------------------------------------------------------
 def _cli(*args) -> str:
     res = CliRunner().invoke(app, list(args))
@@ -436,8 +489,9 @@ def _cli(*args) -> str:
 def test_cli_bad_values(tiny, tmp_path):
     run = copy_run(tiny, tmp_path)
     before = tree(run)
-    check("bad --lengths", _cli("eval", str(run), "--lengths", "8,abc"), "comma-separated integers like 128,256")
-    check("bad --temperature", _cli("eval", str(run), "--temperature", "0"), "must be in (0, 10]")
+    check("bad --lengths", _cli("eval", str(run), "--lengths", "8,abc"), "comma-separated integers like 128,256",
+          how=CLI_HOW)
+    check("bad --temperature", _cli("eval", str(run), "--temperature", "0"), "must be in (0, 10]", how=CLI_HOW)
     assert tree(run) == before  # no eval.json written
 
 
@@ -448,7 +502,7 @@ def test_cli_disk_full_while_logging(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr("extrapolab.train.records.append_row", full)
     args = [a for o in tiny.over for a in ("--set", o)]
     msg = check("disk full (log)", _cli("train", *args, "--run-dir", str(tmp_path / "r")),
-                "No space left on device writing", "free disk space", "re-run the same command")
+                "No space left on device writing", "free disk space", "re-run the same command", how=CLI_HOW)
     assert "metrics.jsonl" in msg and not (tmp_path / "r" / "checkpoints" / "last").exists()
 
 
@@ -459,9 +513,10 @@ def test_cli_in_process_one_line(tiny, tmp_path):
     (tmp_path / "garbage" / "results.sqlite").write_bytes(os.urandom(4096))
     before = tree(tmp_path)
     check("cli train", _cli("train", "--set", "model.scheme=windowed", "--set", "model.scheme_params={windw: 3}",
-                            "--run-dir", str(tmp_path / "r")), "did you mean 'window'")
-    check("cli eval", _cli("eval", str(newer)), "has version 7", "upgrade extrapolab")
-    check("cli report", _cli("report", str(tmp_path / "garbage")), "file is not a database", "move it aside")
+                            "--run-dir", str(tmp_path / "r")), "did you mean 'window'", how=CLI_HOW)
+    check("cli eval", _cli("eval", str(newer)), "has version 7", "upgrade extrapolab", how=CLI_HOW)
+    check("cli report", _cli("report", str(tmp_path / "garbage")), "file is not a database", "move it aside",
+          how=CLI_HOW)
     assert tree(tmp_path) == before
 
 
@@ -474,21 +529,25 @@ def test_cli_subprocess_one_line(tiny, tmp_path):
     _db_with_rows(locked / "results.sqlite")
     holder = sqlite3.connect(locked / "results.sqlite", isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
+    busy = tmp_path / "busy"  # a run folder this (other) process is training
     cases = [
         (["eval", str(trunc)], "model.safetensors is truncated"),
         (["sweep", "demo-smoke", "--out", str(locked), "--set", f"data.cache_dir={tiny.root / 'cache'}"],
          "locked by another process"),
+        (["train", *[a for o in tiny.over for a in ("--set", o)], "--run-dir", str(busy)],
+         f"is in use by another process (pid {os.getpid()}"),
     ]
     env = {**os.environ, "EXTRAPOLAB_DB_TIMEOUT": "0.5", "PYTHONWARNINGS": "ignore"}
     try:
-        procs = [subprocess.Popen([*CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for args, _ in cases]
-        outs = [p.communicate(timeout=120) for p in procs]
+        with run_lock(busy, owner="the test"):
+            procs = [subprocess.Popen([*CLI, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for args, _ in cases]
+            outs = [p.communicate(timeout=120) for p in procs]
     finally:
         holder.execute("ROLLBACK")
         holder.close()
     for (args, needle), p, (_, err) in zip(cases, procs, outs):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (args, err)
-        check(f"cli {args[0]} (subprocess)", lines[0], needle)
-    assert not (locked / "runs").exists() and not (trunc / "eval.json").exists()
+        check(f"cli {args[0]} (subprocess)", lines[0], needle, how="process: exit 2")
+    assert not (locked / "runs").exists() and not (trunc / "eval.json").exists() and not busy.exists()

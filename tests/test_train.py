@@ -277,3 +277,20 @@ def test_module_entry_reports_one_line_errors(capsys):
     assert err.startswith("error: train.steps must be >= 1") and err.count("\n") == 1
     assert main(["--set", "train.strategy=zero3", "--no-progress"]) == 2
     assert "unknown train.strategy 'zero3'" in capsys.readouterr().err
+
+
+def test_pos_lr_scale_gives_the_scheme_its_own_learning_rate():
+    from extrapolab.config import TrainConfig
+    from extrapolab.train.optim import build_optimizer, set_lr
+
+    model = GPT(ModelConfig(vocab_size=64, layers=1, heads=2, dim=16, scheme="t5", train_length=16))
+    opt = build_optimizer(model, TrainConfig(lr=1e-3, pos_lr_scale=20.0))
+    set_lr(opt, 5e-4)
+    pos = [g for g in opt.param_groups if g.get("lr_scale")]
+    assert len(pos) == 1 and pos[0]["params"] == [model.scheme.table] and pos[0]["weight_decay"] == 0.0
+    assert pos[0]["lr"] == pytest.approx(1e-2) and {g["lr"] for g in opt.param_groups if g is not pos[0]} == {5e-4}
+    # default: no separate group, every parameter at the schedule's rate
+    plain = build_optimizer(model, TrainConfig(lr=1e-3))
+    assert len(plain.param_groups) == 2
+    with pytest.raises(UserError, match="pos_lr_scale must be > 0"):
+        build_optimizer(model, TrainConfig(pos_lr_scale=0.0))

@@ -3,7 +3,9 @@
 The cache folder ``<cache_dir>/data/<corpus>-<tokenizer>-<key>`` is keyed by the corpus hash
 (sha256 of the manifest), tokenizer settings and split settings; it is built in a temp folder
 and renamed into place, so it is either complete or absent. A second call re-reads and hashes
-the corpus (tens of ms for the 10 MB stdlib) and opens the cached streams.
+the corpus (tens of ms for the 10 MB stdlib) and opens the cached streams. Building holds a lock
+on the entry (``.<entry>.lock``, ``fcntl.flock``): a concurrent prepare of the same dataset waits
+and then reuses it, and temp folders left by a killed prepare are removed by the next one.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import UserError, atomic_path, atomic_write_json
+from ..io import LockBusy, UserError, atomic_path, atomic_write_json, file_lock
 from .corpus import SPLITS, Corpus, assign_splits, manifest_hash, read_corpus
 from .store import DATA_FORMAT, TokenData, dtype_for, load
 from .tokenizer import TOKENIZER_VERSION, BytesCodec, check_settings, get_bpe
@@ -70,10 +72,44 @@ def prepare(cfg, progress: bool = True) -> TokenData:
     if folder.is_dir():
         try:
             return load(folder)
-        except UserError as e:  # our own cache entry, keyed by content: rebuilding it is safe
-            _say(f"rebuilding damaged cache ({e})", progress)
-            shutil.rmtree(folder, ignore_errors=True)
-    return _build(cfg, corpus, manifest, chash, folder, progress)
+        except UserError:
+            pass  # damaged, or being replaced: decided under the lock below
+    # one builder per cache entry: a concurrent prepare of the same dataset waits, then reuses it
+    with file_lock(_lock_path(folder), wait=None, owner=f"extrapolab prepare {cfg.corpus}",
+                   on_wait=lambda who: _say(f"waiting for another process preparing {folder.name} ({who})", progress)):
+        if folder.is_dir():
+            try:
+                return load(folder)
+            except UserError as e:  # our own cache entry, keyed by content: rebuilding it is safe
+                _say(f"rebuilding damaged cache ({e})", progress)
+                shutil.rmtree(folder, ignore_errors=True)
+        clean_stale_tmp(folder.parent, progress)
+        return _build(cfg, corpus, manifest, chash, folder, progress)
+
+
+def _lock_path(folder: Path) -> Path:
+    return folder.parent / f".{folder.name}.lock"
+
+
+def clean_stale_tmp(parent: Path, progress: bool = False) -> list[Path]:
+    """Remove ``.tmp-<entry>-*`` build folders left by a prepare that was killed.
+
+    A temp folder is stale when nobody holds its entry's lock (a live builder always does; the
+    kernel drops the lock of a dead one); the caller's own entry counts as free (re-entrant).
+    """
+    removed = []
+    for tmp in sorted(Path(parent).glob(".tmp-*")):
+        name = tmp.name[len(".tmp-"):].rpartition("-")[0]  # mkdtemp: .tmp-<entry>-<random>
+        if not tmp.is_dir() or not name:
+            continue
+        try:
+            with file_lock(_lock_path(Path(parent) / name), wait=0):
+                shutil.rmtree(tmp, ignore_errors=True)
+        except LockBusy:
+            continue  # being built right now
+        removed.append(tmp)
+        _say(f"removed {tmp.name}, left by a prepare that was stopped", progress)
+    return removed
 
 
 def _build(cfg, corpus: Corpus, manifest: list[dict], chash: str, folder: Path, progress: bool) -> TokenData:

@@ -8,14 +8,16 @@ and exponents to (0, 2]; ``constrain_()`` also projects the stored values after 
   power      (§3.4):   -r1 · k^r2                          r1 > 0, 0 < r2 <= 2
   3-para-log (§3.5.3): -r1 · log(1 + r2·k^r3)              r1, r2 > 0, 0 < r3 <= 2
   bias+wht   (§3.5.3): q·k · exp(-r3·k^r4) - r1·k^r2       r1, r3 > 0, 0 < r2, r4 <= 2
-Initialisation follows the official code: multipliers U(0,1), log-scales/powers U(0,2).
+Initialisation follows the official code: multipliers U(0,1), log-scales/powers U(0,2); any
+parameter may instead be given an initial value (``r2=1.0`` or one per head), checked against
+its constraint.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .base import RelativeBias
+from .base import RelativeBias, SchemeError
 from .registry import register
 
 EPS = 0.01
@@ -25,11 +27,39 @@ class _Kerple(RelativeBias):
     #: name -> (init high, is_power); powers are capped at 2
     PARAMS: dict[str, tuple[float, bool]] = {}
 
-    def __init__(self, num_heads: int) -> None:
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        cls.EXTRA_OPTIONS = {pname: None for pname in cls.PARAMS}  # initial values; None = official init
+
+    def __init__(self, num_heads: int, **init) -> None:
         super().__init__(num_heads)
-        for pname, (high, _) in self.PARAMS.items():
-            self.register_parameter(pname, nn.Parameter(torch.rand(self.num_heads) * high))
+        self._init = {}
+        for pname, (high, power) in self.PARAMS.items():
+            value = init.pop(pname, None)
+            if value is None:
+                t = torch.rand(self.num_heads) * high
+            else:
+                t = self._check_init(pname, value, power)
+                self._init[pname] = value
+            self.register_parameter(pname, nn.Parameter(t))
+        if init:
+            raise SchemeError(f"scheme {self.name!r} has no option {next(iter(init))!r}; "
+                              f"valid options: {', '.join(self.PARAMS)}")
         self.constrain_()
+
+    def _check_init(self, pname: str, value, power: bool) -> torch.Tensor:
+        """An initial value (a number, or one per head) inside the kernel's constraint."""
+        try:
+            t = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        except (TypeError, ValueError):
+            t = None
+        hi = 2.0 if power else float("inf")
+        if t is None or t.numel() not in (1, self.num_heads) or not bool(((t > 0) & (t <= hi)).all()):
+            rng = "(0, 2] (a power above 2 is not conditionally positive definite, thesis Fact 3.5)" if power \
+                else "(0, inf)"
+            raise SchemeError(f"{self.name} {pname} must be a number or {self.num_heads} numbers in {rng}, "
+                              f"got {value!r}; e.g. {pname}=1.0 (or leave it out for the official random init)")
+        return t.expand(self.num_heads).clone()  # [H]
 
     def p(self, pname: str) -> torch.Tensor:
         """The constrained value of a parameter, shape [H] (clamped as in the official forward)."""
@@ -51,7 +81,7 @@ class _Kerple(RelativeBias):
         return v.reshape(-1, *([1] * like.dim()))  # [H, 1, ...]
 
     def options(self):
-        return {}
+        return dict(self._init)
 
 
 @register

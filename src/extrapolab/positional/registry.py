@@ -29,7 +29,7 @@ def _suggest(name: str, pool: list[str]) -> str:
 
 def scheme_params(cls: type[PositionalScheme]) -> dict[str, object]:
     """Keyword parameters of a scheme's constructor with their defaults."""
-    out: dict[str, object] = {}
+    out: dict[str, object] = dict(getattr(cls, "EXTRA_OPTIONS", None) or {})  # options taken via **kwargs
     for klass in cls.__mro__:
         if klass is PositionalScheme or "__init__" not in vars(klass):
             continue

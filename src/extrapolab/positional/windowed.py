@@ -21,7 +21,7 @@ class Windowed(RelativeBias):
     def __init__(self, num_heads: int, window: int = 64) -> None:
         super().__init__(num_heads)
         if int(window) < 1:
-            raise SchemeError(f"window must be >= 1, got {window}; e.g. --set 'model.scheme_params={window: 64}'")
+            raise SchemeError(f"window must be >= 1, got {window}; e.g. --set 'model.scheme_params={{window: 64}}'")
         self.window = int(window)
 
     def bias_from_distance(self, dist, layer=0):

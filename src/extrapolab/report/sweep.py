@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import config as C
-from ..io import UserError
+from ..io import LockBusy, UserError, is_locked, run_lock, run_lock_path
 from .db import ResultsDB
 
 
@@ -111,6 +111,11 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
     jobs = []
     for i, dataset, scheme, seed in todo:
         rid = run_id(dataset, scheme, seed)
+        holder = is_locked(run_lock_path(out / "runs" / rid))  # _run_job checks again, under the lock
+        if holder:
+            _say(progress, f"[{i}/{len(grid)}] {rid}: skipped, another process is on it ({holder}); "
+                           "re-run this sweep later for its results")
+            continue
         cfg = copy.deepcopy(base)
         cfg.name, cfg.out_dir = rid, str(out / "runs")
         cfg.model.scheme, cfg.model.scheme_params = scheme.name, dict(scheme.params)
@@ -148,12 +153,20 @@ def _run_job(job: tuple, progress: bool) -> str:
         torch.set_num_threads(cfg.train.threads)
     run_dir = Path(out) / "runs" / rid
     db = ResultsDB(Path(out) / "results.sqlite")
-    db.set_status(rid, "training")
-    data = prepare(cfg.data, progress=False)
-    summary = train(cfg, run_dir, data=data, progress=progress)
-    scalars, series, extra = evaluate_run_dir(run_dir, cfg, data)
-    db.record(rid, {**summary, **extra}, scalars, series)
-    db.close()
+    try:  # one process per run: another sweep (or `extrapolab train`) on it -> skip, leave its row alone
+        with run_lock(run_dir, owner=f"sweep {out}: {rid}"):
+            if db.status(rid) == "done":  # finished by another sweep since this one listed it
+                return f"{tag}: done by another process"
+            db.set_status(rid, "training")
+            data = prepare(cfg.data, progress=False)
+            summary = train(cfg, run_dir, data=data, progress=progress)
+            scalars, series, extra = evaluate_run_dir(run_dir, cfg, data)
+            db.record(rid, {**summary, **extra}, scalars, series)
+    except LockBusy as e:
+        return (f"{tag}: skipped, another process is on it ({e.holder or 'pid unknown'}); "
+                "re-run this sweep later for its results")
+    finally:
+        db.close()
     ppl = next((v for p, L, m, v in scalars if p == "nonoverlapping" and L == cfg.model.train_length
                 and m == "ppl"), None)
     return f"{tag}: done" + (f" (ppl at L_tr {ppl:.2f})" if ppl else "")
@@ -173,11 +186,30 @@ def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data) -> tuple[list, list,
 
     atomic_write_json(Path(run_dir) / "eval.json", res)
     extra = {"eval_wall_s": time.time() - t}
+    scalars, series = flatten_eval(res)
+    if cfg.eval.erf_length:  # A1 ERF + A2 TRF of the trained scheme, recorded like any protocol
+        from ..analysis.runner import sweep_analysis
+
+        t = time.time()
+        an = sweep_analysis(model, cfg, tokens, length=cfg.eval.erf_length, segments=cfg.eval.erf_segments,
+                            eps=cfg.eval.trf_eps)
+        atomic_write_json(Path(run_dir) / "analysis.json", an)
+        extra["analysis_wall_s"] = time.time() - t
+        e = an["erf"]
+        scalars.append(("erf", e["length"], "erf_tokens", float(e["erf_tokens"])))
+        series.append(("erf", e["length"], "c", e["c"]))
+        th = an.get("theory")
+        if th:
+            scalars.append(("trf", 0, "converging_heads", float(th["converging_heads"])))
+            scalars.append(("trf", 0, "heads", float(th["heads"])))
+            for k in ("mean", "max"):
+                if th.get(k) is not None:
+                    scalars.append(("trf", 0, f"trf_{k}", float(th[k])))
     scored = sum(v.get("tokens", 0) for v in (res.get("nonoverlapping") or {}).values() if isinstance(v, dict))
     secs = (res.get("seconds") or {}).get("nonoverlapping")
     if scored and secs:
         extra["eval_tokens_per_s"] = scored / secs  # nonoverlapping scoring throughput over all L_ex
-    return (*flatten_eval(res), extra)
+    return scalars, series, extra
 
 
 def flatten_eval(res: dict) -> tuple[list, list]:

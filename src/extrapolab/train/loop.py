@@ -10,6 +10,7 @@ CPU its losses equal an uninterrupted run bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,7 +28,7 @@ from tqdm.auto import tqdm
 
 from .. import config as config_mod
 from ..config import RunConfig
-from ..io import UserError
+from ..io import UserError, run_lock
 from ..model.gpt import GPT
 from . import dist as D
 from . import records as R
@@ -73,15 +74,20 @@ def train(cfg: RunConfig, run_dir: Path | None = None, *, data=None, resume: boo
           progress: bool = True, stop_after: int | None = None) -> dict:
     """Train (or resume, or skip if finished) the run in ``run_dir`` (default out_dir/name).
 
+    A run folder is trained by one process at a time (:func:`..io.run_lock`): another process
+    training into it gets a one-line error naming the holder.
+
     ``resume=False`` starts over: an existing run's checkpoints, metrics and summary are replaced.
 
     ``stop_after=N`` returns after global step N as a kill would (no extra checkpoint, no
     summary): for resume tests. Returns the summary dict (or ``{"finished": False, "step": N}``).
     """
+    run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
     env = D.setup(cfg.train.device)
     ok = False
-    try:
-        out = _Trainer(cfg, run_dir, env, data, resume, progress, stop_after).run()
+    try:  # one process per run folder (rank 0 of a distributed job holds it for every rank)
+        with run_lock(run_dir, owner=f"training {run_dir.name}") if env.is_main else contextlib.nullcontext():
+            out = _Trainer(cfg, run_dir, env, data, resume, progress, stop_after).run()
         ok = True
         return out
     finally:

@@ -10,6 +10,8 @@ so the first step already has a non-zero rate, the peak is reached at s = W − 
 step ends just above ``m``. Weight decay applies only to 2-D weight matrices of linear layers;
 biases, LayerNorm parameters, embeddings (the tied output matrix included) and every parameter of
 the positional scheme (T5 buckets, KERPLE r1/r2, learned APE) are not decayed.
+``train.pos_lr_scale`` multiplies the positional parameters' learning rate (1 = same rate):
+short CPU budgets can let a zero-initialised T5 table move as far as a long run would.
 """
 from __future__ import annotations
 
@@ -33,9 +35,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - floor)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: decayed linear weights, and everything else (see module docstring)."""
-    decay, no_decay, seen = [], [], set()
+def param_groups(model: nn.Module, weight_decay: float, pos_lr_scale: float = 1.0) -> list[dict]:
+    """AdamW groups: decayed linear weights, and everything else (see module docstring); with
+    ``pos_lr_scale`` != 1 the positional scheme's parameters get their own group whose learning rate
+    is that multiple of the schedule's (``lr_scale``, applied by :func:`set_lr`)."""
+    decay, no_decay, pos, seen = [], [], [], set()
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
             if id(p) in seen or not p.requires_grad:
@@ -48,11 +52,17 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 or p_name.endswith("bias")
                 or p.ndim < 2
             )
-            (no_decay if skip else decay).append(p)
-    return [
+            if full.startswith("scheme.") and pos_lr_scale != 1.0:
+                pos.append(p)
+            else:
+                (no_decay if skip else decay).append(p)
+    groups = [
         {"params": decay, "weight_decay": float(weight_decay)},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    if pos:
+        groups.append({"params": pos, "weight_decay": 0.0, "lr_scale": float(pos_lr_scale)})
+    return groups
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -63,9 +73,12 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     betas = tuple(float(b) for b in cfg.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise UserError(f"train.betas must be two numbers in [0, 1), got {cfg.betas}; e.g. --set train.betas=[0.9,0.95]")
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=betas, eps=1e-8)
+    if cfg.pos_lr_scale <= 0:
+        raise UserError(f"train.pos_lr_scale must be > 0, got {cfg.pos_lr_scale}; 1 = the same rate as the model")
+    groups = param_groups(model, cfg.weight_decay, cfg.pos_lr_scale)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=1e-8)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
