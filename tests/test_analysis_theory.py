@@ -152,3 +152,11 @@ def test_cli_trf_user_callable_file(tmp_path):
     assert row["converges"] is True and row["method"].startswith("numeric")
     assert row["trf"] == math.floor(math.log(100) / -math.log(0.9)) + 1
     assert row["B"] == pytest.approx(10.0, rel=1e-9)
+
+
+def test_barely_convergent_head_reports_a_lower_bound_not_an_error():
+    """KERPLE-log with r1 just above 1 is a p-series with p ~ 1: convergent, TRF beyond 2^62."""
+    s = positional.build("kerple-log", num_heads=2, r1=[1.001, 3.0], r2=1.0)
+    slow, fast = trf(s, 0.01)
+    assert slow["converges"] is True and slow["trf"] is None and slow["trf_lower_bound"] == 2**62
+    assert fast["converges"] is True and fast["trf"] is not None and fast["trf"] < 100

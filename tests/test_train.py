@@ -292,5 +292,7 @@ def test_pos_lr_scale_gives_the_scheme_its_own_learning_rate():
     # default: no separate group, every parameter at the schedule's rate
     plain = build_optimizer(model, TrainConfig(lr=1e-3))
     assert len(plain.param_groups) == 2
+    ape = GPT(ModelConfig(vocab_size=64, layers=1, heads=2, dim=16, scheme="learned", train_length=16))
+    assert len(build_optimizer(ape, TrainConfig(pos_lr_scale=20.0)).param_groups) == 2  # an embedding: model rate
     with pytest.raises(UserError, match="pos_lr_scale must be > 0"):
         build_optimizer(model, TrainConfig(pos_lr_scale=0.0))

@@ -43,7 +43,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    pos_lr_scale: float = 1.0  # learning rate of the positional scheme's parameters = lr x this
+    pos_lr_scale: float = 1.0  # learning rate of a relative-bias scheme's parameters = lr x this
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     precision: str = "auto"  # auto | fp32 | bf16 | fp16

@@ -141,7 +141,11 @@ def sweep_analysis(model, cfg, stream, *, length: int, segments: int = 4, eps: f
                    "segments": e["segments"], "seconds": e["seconds"], "peak_memory_mb": e["peak_memory_mb"]}}
     scheme = model.scheme
     if scheme.has_bias:
-        rows = trf(scheme, eps, n=2**16)
+        try:
+            rows = trf(scheme, eps, n=2**16)
+        except UserError as e:  # the theory is a side note: never lose a trained, evaluated run to it
+            out["theory"] = {"error": str(e)}
+            return out
         conv = [r["converges"] for r in rows]
         out["theory"] = {"eps": eps, "heads": len(rows), "converging_heads": sum(c is True for c in conv),
                          "undetermined_heads": sum(c is None for c in conv), **trf_summary(rows)}

@@ -165,15 +165,16 @@ def _check_head(scheme, head: int) -> int:
     return int(head)
 
 
-def _first_below(tail: Callable[[int], float], target: float) -> int:
-    """Smallest j >= 0 with tail(j) < target, for a non-increasing tail (bisection)."""
+def _first_below(tail: Callable[[int], float], target: float) -> int | None:
+    """Smallest j >= 0 with tail(j) < target, for a non-increasing tail (bisection); None when
+    j > 2^62 (a barely convergent series, e.g. a p-series with p just above 1)."""
     if tail(0) < target:
         return 0
     hi = 1
     while tail(hi) >= target:
         hi *= 2
         if hi > 2**62:
-            raise UserError("TRF beyond 2^62 tokens; use a larger eps")
+            return None
     lo = hi // 2  # tail(lo) >= target
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -192,6 +193,9 @@ def _trf_row(d: dict, eps: float, n: int) -> dict:
     if d["_tail"] is not None:
         row["trf"] = _first_below(d["_tail"], eps * d["B"])
         row["trf_method"] = "closed-form tail"
+        if row["trf"] is None:
+            row["trf_lower_bound"] = 2**62
+            row["trf_method"] = "closed-form tail; TRF > 2^62 tokens (use a larger eps)"
         return row
     tails = np.cumsum(d["_b"][::-1])[::-1] + d["tail_bound"]  # [N] sum_{t>=j} b_t
     below = np.nonzero(tails < eps * d["B"])[0]

@@ -48,7 +48,7 @@ def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
         th = theory.get(label)
         if th and th["heads"]:
             conv = f"{np.mean(th['converging_heads']):.0f}/{np.mean(th['heads']):.0f}"
-            trf = f"{np.mean(th['trf_mean']):.0f}" if th["trf_mean"] else "none (diverges)"
+            trf = f"{np.mean(th['trf_mean']):.0f}" if th["trf_mean"] else "none (diverges, or > 2^62)"
         else:
             conv, trf = "no bias", "—"
         rows.append(f"| {label} | {length.get(label, '—')} | {_mean_std(vals)} | {inside} | {conv} | {trf} |")
@@ -68,14 +68,14 @@ def plot_erf_overlay(db: ResultsDB, labels: list[str], train_length: int, stem: 
         cs = curves[label]
         n = min(len(c) for c in cs)
         c = np.mean([c[:n] for c in cs], axis=0)  # [n]
-        dist = n - np.arange(1, n + 1)  # distance of position m from the predicted token
-        ax.plot(dist, c, lw=1.2, label=label)
+        dist = n - np.arange(1, n)  # [n-1] distance of input position m from the predicted token n
+        ax.plot(dist, c[:-1], lw=1.2, label=label)  # c_n = 0: the target itself is not an input
         Lmax = max(Lmax, n)
     if train_length:
-        ax.axvspan(0, train_length, color="grey", alpha=0.12, label=f"L_tr = {train_length} most recent")
+        ax.axvspan(1, train_length, color="grey", alpha=0.12, label=f"L_tr = {train_length} most recent")
     ax.axhline(0.99, color="red", ls=":", lw=1, label="c = 0.99")
-    ax.set_xscale("symlog", linthresh=1)
-    ax.set_xlim(0, Lmax)
+    ax.set_xscale("log")
+    ax.set_xlim(1, Lmax)
     ax.set_xlabel("distance from the predicted token (log)")
     ax.set_ylabel("share of the gradient within this distance (c_m)")
     ax.set_title("A1 cumulative normalized gradient (Sandwich §5.1), mean over seeds")

@@ -199,7 +199,7 @@ def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data) -> tuple[list, list,
         scalars.append(("erf", e["length"], "erf_tokens", float(e["erf_tokens"])))
         series.append(("erf", e["length"], "c", e["c"]))
         th = an.get("theory")
-        if th:
+        if th and "error" not in th:
             scalars.append(("trf", 0, "converging_heads", float(th["converging_heads"])))
             scalars.append(("trf", 0, "heads", float(th["heads"])))
             for k in ("mean", "max"):

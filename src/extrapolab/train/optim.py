@@ -10,8 +10,10 @@ so the first step already has a non-zero rate, the peak is reached at s = W − 
 step ends just above ``m``. Weight decay applies only to 2-D weight matrices of linear layers;
 biases, LayerNorm parameters, embeddings (the tied output matrix included) and every parameter of
 the positional scheme (T5 buckets, KERPLE r1/r2, learned APE) are not decayed.
-``train.pos_lr_scale`` multiplies the positional parameters' learning rate (1 = same rate):
-short CPU budgets can let a zero-initialised T5 table move as far as a long run would.
+``train.pos_lr_scale`` multiplies the learning rate of a relative-bias scheme's few parameters
+(T5 buckets, KERPLE kernels; 1 = same rate) so that short CPU budgets let a zero-initialised T5
+table move as far as a long run would. Learned APE is an embedding table and keeps the model's
+rate (at 20x its ppl at L_tr went from 95 to 160-173 in the quick demo, measured).
 """
 from __future__ import annotations
 
@@ -37,9 +39,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def param_groups(model: nn.Module, weight_decay: float, pos_lr_scale: float = 1.0) -> list[dict]:
     """AdamW groups: decayed linear weights, and everything else (see module docstring); with
-    ``pos_lr_scale`` != 1 the positional scheme's parameters get their own group whose learning rate
+    ``pos_lr_scale`` != 1 a relative-bias scheme's parameters get their own group whose learning rate
     is that multiple of the schedule's (``lr_scale``, applied by :func:`set_lr`)."""
     decay, no_decay, pos, seen = [], [], [], set()
+    bias_scheme = bool(getattr(getattr(model, "scheme", None), "has_bias", False))  # not learned APE
     for mod_name, module in model.named_modules():
         for p_name, p in module.named_parameters(recurse=False):
             if id(p) in seen or not p.requires_grad:
@@ -52,7 +55,7 @@ def param_groups(model: nn.Module, weight_decay: float, pos_lr_scale: float = 1.
                 or p_name.endswith("bias")
                 or p.ndim < 2
             )
-            if full.startswith("scheme.") and pos_lr_scale != 1.0:
+            if full.startswith("scheme.") and bias_scheme and pos_lr_scale != 1.0:
                 pos.append(p)
             else:
                 (no_decay if skip else decay).append(p)
