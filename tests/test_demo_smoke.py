@@ -75,6 +75,8 @@ def test_demo_records_erf_and_trf_and_reports_them(smoke):
     md = (out / "erf.md").read_text()
     alibi_row = next(line for line in md.splitlines() if line.startswith("| alibi |"))
     assert "| 128 |" in alibi_row and "2/2" in alibi_row
+    shares = [float(line.split("|")[5].strip().rstrip("%")) for line in md.splitlines()[2:]]
+    assert len(shares) == 3 and all(0 < v <= 100 for v in shares)  # c at distance L_tr, in percent
     assert "| none | 128 |" in md and "no bias" in md
     assert "empirical receptive field" in (out / "report.html").read_text()
     assert (out / "figures" / "erf.png").is_file() and (out / "figures" / "erf.svg").is_file()

@@ -35,13 +35,18 @@ def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
     for _, _, label, _, L, v in db.scalars("erf", "erf_tokens"):
         erf[label].append(v)
         length[label] = int(L)
+    share = defaultdict(list)  # gradient share of the L_tr most recent inputs, c at distance L_tr
+    for _, _, label, _, L, c in db.series("erf", "c"):
+        n = len(c)
+        share[label].append(float(c[n - train_length - 1]) if 0 < train_length < n else 1.0)
     theory: dict = defaultdict(lambda: defaultdict(list))
     for metric in ("converging_heads", "heads", "trf_mean", "trf_max"):
         for _, _, label, _, _, v in db.scalars("trf", metric):
             theory[label][metric].append(v)
     rows = ["| scheme | ERF measured at L | ERF tokens (mean ± std over seeds) | seeds with ERF ≤ L_tr | "
+            "gradient share of the L_tr most recent inputs | "
             "heads with convergent Σexp(bias) | TRF n_the (mean over heads, mean over seeds) |",
-            "|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|"]
     for label in [lb for lb in labels if lb in erf or lb in theory] or sorted(set(erf) | set(theory)):
         vals = erf.get(label, [])
         inside = f"{sum(v <= train_length for v in vals)}/{len(vals)}" if vals else "—"
@@ -51,7 +56,8 @@ def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
             trf = f"{np.mean(th['trf_mean']):.0f}" if th["trf_mean"] else "none (diverges, or > 2^62)"
         else:
             conv, trf = "no bias", "—"
-        rows.append(f"| {label} | {length.get(label, '—')} | {_mean_std(vals)} | {inside} | {conv} | {trf} |")
+        sh = f"{100 * np.mean(share[label]):.0f}%" if share.get(label) else "—"
+        rows.append(f"| {label} | {length.get(label, '—')} | {_mean_std(vals)} | {inside} | {sh} | {conv} | {trf} |")
     return "\n".join(rows) + "\n"
 
 
