@@ -130,3 +130,16 @@ def test_build_model_errors():
         build_model("lstm", 2, 2, C=3)
     with pytest.raises(UserError):
         build_model("regulargpt", 2, 2, dim=30, heads=8)
+
+
+def test_modular_arithmetic_chunks_are_whole_operator_number_steps():
+    """C=2 on an odd-length expression x0 op x1 ... : the left pad fills the slot before x0, so
+    every level-0 chunk is (operator or pad, number) — one whole transition of the expression's
+    automaton — and every later element covers [0 or op position, number position]."""
+    m = RegularGPT(RegularGPTConfig(vocab_size=8, num_classes=5, dim=16, heads=2, C=2))
+    for T in (1, 3, 7, 39, 41, 255):
+        out = m(torch.randint(0, 8, (1, T)), return_levels=True)
+        for start, end in out["spans"]:
+            real = end > start
+            assert np.all((end[real] - 1) % 2 == 0), T  # every unit ends on a number
+            assert start[real][0] == 0 and np.all(start[real][1:] % 2 == 1), T  # and starts at an operator

@@ -153,3 +153,18 @@ def test_sampling_is_deterministic_and_p_is_honoured():
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     x, _ = make_task("parity", p=0.1).sample(np.random.default_rng(0), 500, 100)
     assert abs(x.mean() - 0.1) < 0.01
+
+
+def test_modular_arithmetic_chance_level_and_deepmind_layout():
+    """Labels are uniform over the 5 residues (chance = 20%) at training and test lengths;
+    numbers sit at even positions and operators at odd ones, as in DeepMind's generator; the
+    training lengths are the odd lengths 1..39 (DeepMind maps an even request T to T-1)."""
+    task = make_task("modular_arithmetic")
+    rng = np.random.default_rng(7)
+    for T in (39, 41, 499):
+        x, y = task.sample(rng, 5000, T)
+        freq = np.bincount(y, minlength=5) / len(y)
+        assert np.all(np.abs(freq - 0.2) < 0.025), (T, freq)
+        assert x[:, 0::2].max() <= 4 and x[:, 1::2].min() >= 5
+    assert task.lengths(1, 40) == list(range(1, 40, 2))
+    assert sorted({T - (T % 2 == 0) for T in range(41, 501)}) == task.lengths(41, 500)

@@ -1,21 +1,41 @@
 """`extrapolab align ...`: softmax-temperature alignment (T1) and retrieval tasks (T2), thesis ch. 5.
 
-    extrapolab align temperature RUN [--lengths 256,512,1024]   -> RUN/temperature.json (+ .png/.svg)
+    extrapolab align RUN [--lengths 512,1024,2048]    -> RUN/temperature.json (+ .png/.svg); Algorithm 1
+    extrapolab align temperature RUN [...]            the same (explicit verb; use it for a run folder
+                                                      named like a verb below)
     extrapolab align retrieval RUN --task passkey [--rules none,pmax,entropy,length]
     extrapolab align hf-t5 T5_DIR --text FILE --train-length 512 --lengths 1024,2048
+    extrapolab align experiment [--preset align-quick] [--out reports/align]   train + align + measure + report
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import typer
+from typer.core import TyperGroup
 
 from .common import friendly
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="softmax-temperature alignment (thesis Algorithm 1) and long-context retrieval tasks")
+DEFAULT_VERB = "temperature"
+
+
+class RunOrVerb(TyperGroup):
+    """A group whose first argument is either a verb or a run folder: ``align RUN ...`` is
+    ``align temperature RUN ...`` (the group has no options of its own besides --help)."""
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = [DEFAULT_VERB, *args]
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(cls=RunOrVerb, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  subcommand_metavar="RUN [--lengths ...] | COMMAND [ARGS]...",
+                  help="Softmax-temperature alignment (thesis Algorithm 1) and long-context retrieval tasks. "
+                       "`extrapolab align RUN --lengths 512,1024` runs Algorithm 1 on a trained run (= `align "
+                       "temperature RUN`); the other verbs are listed below.")
 
 
 def _ints(text: str | None) -> list[int] | None:
@@ -142,7 +162,7 @@ def temperature(
     no_propagate: bool = typer.Option(False, "--no-propagate", help="re-temperature tau=1 logits only (one forward)"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | auto"),
 ):
-    """Pick tau per L_ex by max-probability / entropy alignment; store it for `eval --temperature auto`."""
+    """Algorithm 1 (= `extrapolab align RUN`): tau per L_ex -> RUN/temperature.json for `eval --temperature auto`."""
     res = align_cmd(run, _ints(lengths), modes.split(","), segments, split, which, not no_propagate, device=device,
                     say=lambda m: typer.echo(m, err=True))
     typer.echo(res["table"])
@@ -185,3 +205,18 @@ def hf_t5(
                     say=lambda m: typer.echo(m, err=True))
     typer.echo(res["table"])
     typer.echo(json.dumps({"wrote": [res["path"], *res["figures"]]}))
+
+
+@app.command("experiment")
+@friendly
+def experiment(
+    preset: str = typer.Option("align-quick", "--preset", "-p", help="align-smoke (seconds) | align-quick (CPU, ~15 min) | YAML file"),
+    out: Optional[Path] = typer.Option(None, "--out", help="report folder (default out_dir/name, e.g. reports/align-quick)"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set align.n=4 (repeatable)"),
+):
+    """Train on corpus + retrieval docs, align, measure ppl and retrieval per rule, write report.html (resumable)."""
+    from ..report.align_report import run_align_experiment
+
+    res = run_align_experiment(preset, out=out, overrides=set_)
+    typer.echo((res["out"] / "summary.md").read_text())
+    typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")

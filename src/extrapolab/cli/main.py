@@ -151,7 +151,8 @@ def _mount_subapps() -> None:
     for mod, name, help_ in (
         ("analyze", "analyze", "analysis tools: erf, trf, bias, nope-variance, sharpness, all"),
         ("regular", "regular", "RegularGPT and the regular-language benchmark"),
-        ("align", "align", "softmax-temperature alignment and retrieval tasks"),
+        ("align", "align", "`align RUN`: softmax-temperature alignment (thesis Algorithm 1); "
+                           "verbs retrieval, hf-t5, experiment"),
     ):
         sub = __import__(f"extrapolab.cli.{mod}", fromlist=["app"]).app
         app.add_typer(sub, name=name, help=help_)

@@ -142,20 +142,36 @@ def table(
     tasks: Optional[str] = typer.Option(None, help="comma list; default: all 12 tasks of Table 6.1"),
     models: Optional[str] = typer.Option(None, help="comma list of rnn,lstm,transformer,regulargpt-C2,regulargpt-C3"),
     seeds: int = 3,
-    steps: Optional[int] = typer.Option(None, help="max steps per run (default 3000)"),
+    budget: str = typer.Option("quick", help="quick: CPU step caps (3000, transformer 2000, early stop; "
+                               "transformer scored on every 5th length 41..500); thesis: Table 6.5 sizes "
+                               "(hidden 256, lr 3e-4, 100k steps; GPU-scale)"),
+    steps: Optional[int] = typer.Option(None, help="max steps per run (overrides the budget)"),
     test_stride: Optional[int] = None,
     test_samples: Optional[int] = None,
     run_opt: Optional[List[str]] = RUN_OPT,
     skip_missing: bool = typer.Option(False, help="only tabulate runs already on disk, train nothing"),
+    plan: bool = typer.Option(False, help="print the measured and projected wall time, train nothing"),
     threads: int = 1,
     progress: bool = True,
 ):
-    """Thesis Table 6.1 in one command (resumable: finished runs are reused)."""
-    from ..regular.table import regular_table
+    """Thesis Table 6.1 in one command (resumable: finished runs are reused).
+
+    Every task x model column x seed is one run folder under OUT/runs.
+
+    table.md ends with the measured compute time and the projection for missing runs (--plan: only that).
+    """
+    from ..regular.table import _hours, regular_table, wall_time
 
     _threads(threads)
-    res = regular_table(out, tasks, models, seeds, progress, _per_model(run_opt), skip_missing, steps=steps,
-                        test_stride=test_stride, test_samples=test_samples)
+    over = dict(steps=steps, test_stride=test_stride, test_samples=test_samples)
+    if plan:
+        wt = wall_time(out, tasks, models, seeds, budget, _per_model(run_opt), **over)
+        typer.echo(f"{wt['done']}/{wt['runs']} runs finished ({_hours(wt['measured_s'])} measured); "
+                   f"{wt['missing']} missing, estimated {_hours(wt['estimated_missing_s'])}; projected full "
+                   f"table {_hours(wt['projected_total_s'])}"
+                   + (f" + {len(wt['unknown'])} runs with no estimate" if wt["unknown"] else ""))
+        return
+    res = regular_table(out, tasks, models, seeds, progress, _per_model(run_opt), skip_missing, budget, **over)
     typer.echo((Path(out) / "table.md").read_text())
     typer.echo(f"wrote {out}/table.md, table.json and plots/ ({len(res['tasks'])} tasks)")
 
@@ -173,13 +189,14 @@ def sweep_p_(
     run_opt: Optional[List[str]] = RUN_OPT,
     eval_stride: Optional[int] = typer.Option(None, help="score every k-th length 41..500 (default: the run's)"),
     eval_samples: Optional[int] = typer.Option(None, help="strings per length (default: the run's)"),
+    budget: str = typer.Option("quick", help="run preset shared with `regular table` (quick | thesis)"),
     threads: int = 1,
 ):
     """Thesis Table 6.2: Parity trained at P(sigma=1)=0.5, tested at other P(sigma=1)."""
     from ..regular.table import sweep_p
 
     _threads(threads)
-    sweep_p(out, models, seeds, ps, True, _per_model(run_opt), eval_stride, eval_samples,
+    sweep_p(out, models, seeds, ps, True, _per_model(run_opt), eval_stride, eval_samples, budget,
             steps=steps, test_stride=test_stride, test_samples=test_samples)
     typer.echo((Path(out) / "sweep_p.md").read_text())
 

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ..io import UserError
-from .align import save_figure, temperature_scope
+from .align_plots import save_figure
+from .temperature import temperature_scope
 
 KINDS = ("passkey", "kv")
 JUNK = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")

@@ -6,6 +6,8 @@ weights, result.json); a folder with a result.json for the same config is reused
 ``table`` resumes where it stopped. For each (task, model): per seed, the mean accuracy over
 the evaluated test lengths (see ``train.py``: every valid length 41..500 resp. 51..100 unless a
 stride is given); Max = the best seed, Avg = the mean over seeds (thesis: 3 seeds).
+``--budget`` picks a preset of run options (``BUDGETS``: quick on a CPU, thesis = Table 6.5);
+``wall_time`` sums the recorded per-run seconds and projects the runs still missing.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from .plots import plot_per_length
 from .tasks import BHATTACHARYA, DELETANG, make_task
 from .train import RegularRunConfig, evaluate_lengths, load_run, run
 
-#: column -> run options (model kind, its options, learning rate, ...); CPU-sized budgets: the
-#: thesis trains 100k steps (Table 6.5), these stop at 3000 (2000 for the O(T²) transformer)
+#: column -> run options (model kind, its options, learning rate, ...); CPU-sized: the thesis
+#: trains 100k steps at hidden size 256 (Table 6.5), these stop at 3000 (2000 for the O(T²)
+#: transformer) at width 64 / 128; ``BUDGETS["thesis"]`` restores the thesis sizes
 MODEL_SPECS: dict[str, dict] = {
     "rnn": {"model": "rnn", "model_options": {"hidden": 128}, "lr": 1e-3},
     "lstm": {"model": "lstm", "model_options": {"hidden": 128}, "lr": 1e-3},
@@ -32,6 +35,32 @@ MODEL_SPECS: dict[str, dict] = {
     "regulargpt-C3": {"model": "regulargpt", "model_options": {"C": 3}, "lr": 1e-3},
 }
 DEFAULT_MODELS = ("rnn", "lstm", "transformer", "regulargpt-C2", "regulargpt-C3")
+
+#: ``regular table --budget``: run options layered on MODEL_SPECS. Keys: "*" (every run), a family
+#: ("deletang" | "bhattacharya"), a column, a task, "column@family" or "column@task", applied in
+#: that order (later wins; model_options are merged key by key).
+#: * quick (default, 1 CPU thread): the MODEL_SPECS step caps (3000; transformer 2000) with early
+#:   stopping at 100% train-length + validation accuracy. The O(T²) transformer is validated at
+#:   length 80 only (81 for odd-only Modular Arithmetic: a preset validation length moves to the
+#:   task's next valid one) and, on the Deletang tasks (test 41..500), scored on every 5th valid test
+#:   length with 64 strings each (41, 46, ..., 496; Modular Arithmetic: 41, 51, ..., 491).
+#: * thesis: Table 6.5 — hidden size 256, 8 heads, batch 128, up to 100,000 steps, Adam lr 3e-4
+#:   (the thesis lists 1e-4/3e-4/5e-4) for the attention models; every test length, 128 strings.
+#:   Meant for a GPU; on one CPU core a single RegularGPT run takes hours.
+BUDGETS: dict[str, dict[str, dict]] = {
+    "quick": {
+        "transformer": {"val_lengths": [80], "test_samples": 64},
+        "transformer@deletang": {"test_stride": 5},
+    },
+    "thesis": {
+        "*": {"steps": 100_000},
+        "rnn": {"model_options": {"hidden": 256}},
+        "lstm": {"model_options": {"hidden": 256}},
+        "transformer": {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4},
+        "regulargpt-C2": {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4},
+        "regulargpt-C3": {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4},
+    },
+}
 
 #: thesis Table 6.1, (Max, Avg) in %; its RNN column is compared with our "rnn" and "lstm"
 THESIS_TABLE_6_1 = {
@@ -58,12 +87,41 @@ THESIS_TABLE_6_2 = {
 SWEEP_P = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
-def run_config(task: str, model: str, seed: int, **overrides) -> RegularRunConfig:
+def _merge(base: dict, extra: dict) -> dict:
+    """``base`` updated by ``extra`` (None values skipped); model_options merged key by key."""
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        if v is None:
+            continue
+        if k == "model_options" and isinstance(v, dict):
+            out[k] = {**out.get(k, {}), **v}
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def budget_options(budget: str, task: str, model: str) -> dict:
+    """The run options preset ``budget`` gives (task, model column); see ``BUDGETS``."""
+    if budget not in BUDGETS:
+        raise UserError(f"unknown budget {budget!r}; valid: {', '.join(BUDGETS)}")
+    t = make_task(task)
+    out: dict = {}
+    for key in ("*", t.family, model, task, f"{model}@{t.family}", f"{model}@{task}"):
+        out = _merge(out, BUDGETS[budget].get(key, {}))
+    if "val_lengths" in out:  # a preset length -> the task's first valid length from there (80 -> 81 odd-only)
+        out["val_lengths"] = [t.lengths(int(v), 2 * int(v) + 2)[0] for v in out["val_lengths"]]
+    return out
+
+
+def run_config(task: str, model: str, seed: int, budget: str | None = None, **overrides) -> RegularRunConfig:
+    """MODEL_SPECS[model], then the ``budget`` preset, then ``overrides`` (None values ignored)."""
     if model not in MODEL_SPECS:
         raise UserError(f"unknown table model {model!r}; valid: {', '.join(MODEL_SPECS)}")
     make_task(task)  # validates the name
     base = {"task": task, **copy.deepcopy(MODEL_SPECS[model]), "seed": seed}
-    return RegularRunConfig.from_dict({**base, **{k: v for k, v in overrides.items() if v is not None}})
+    if budget is not None:
+        base = _merge(base, budget_options(budget, task, model))
+    return RegularRunConfig.from_dict(_merge(base, overrides))
 
 
 def ensure_run(cfg: RegularRunConfig, run_dir: Path, progress: bool = True, train: bool = True) -> dict | None:
@@ -91,13 +149,20 @@ def _parse_list(value, default, kind=str) -> list:
     return [kind(v.strip() if isinstance(v, str) else v) for v in items if str(v).strip()]
 
 
+def _planned(tasks, models, seeds: int, budget: str, per_model: dict, overrides: dict) -> dict:
+    return {(t, m, s): run_config(t, m, s, budget, **{**overrides, **per_model.get(m, {})})
+            for t in tasks for m in models for s in range(seeds)}
+
+
 def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bool = True,
-                  per_model: dict | None = None, skip_missing: bool = False, **overrides) -> dict:
+                  per_model: dict | None = None, skip_missing: bool = False, budget: str = "quick",
+                  **overrides) -> dict:
     """Run (or reuse) every (task, model, seed) and write table.json, table.md and plots.
 
-    ``overrides`` apply to every run (e.g. steps=2000); ``per_model`` = {column: {option: value}}
-    to one model column only (e.g. {"transformer": {"test_stride": 5}}). ``skip_missing``: only
-    tabulate runs already on disk (cells without runs show "—").
+    ``budget``: a preset of ``BUDGETS`` ("quick" on a CPU, "thesis" = Table 6.5 sizes);
+    ``overrides`` apply to every run on top of it (e.g. steps=2000); ``per_model`` =
+    {column: {option: value}} to one model column only (e.g. {"transformer": {"test_stride": 5}}).
+    ``skip_missing``: only tabulate runs already on disk (cells without runs show "—").
     """
     per_model = per_model or {}
     out = Path(out_dir)
@@ -105,15 +170,18 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
     models = _parse_list(models, DEFAULT_MODELS)
     if seeds < 1:
         raise UserError(f"seeds must be >= 1, got {seeds}")
-    cfgs = {(t, m, s): run_config(t, m, s, **{**overrides, **per_model.get(m, {})})
-            for t in tasks for m in models for s in range(seeds)}
+    cfgs = _planned(tasks, models, seeds, budget, per_model, overrides)
     rows = {}
     for (t, m, s), cfg in cfgs.items():
         res = ensure_run(cfg, out / "runs" / t / m / f"seed{s}", progress, train=not skip_missing)
         if res is not None:
             rows.setdefault(t, {}).setdefault(m, []).append(res)
-    table = {"tasks": {}, "seeds": seeds, "overrides": overrides, "per_model": per_model}
-    for t, by_model in rows.items():
+    table = {"tasks": {}, "seeds": seeds, "budget": budget, "overrides": overrides, "per_model": per_model,
+             "wall_time": wall_time(out, tasks, models, seeds, budget, per_model, **overrides)}
+    for t in tasks:
+        if t not in rows:
+            continue
+        by_model = rows[t]
         entry = table["tasks"][t] = {}
         curves = {}
         for m, results in by_model.items():
@@ -121,6 +189,7 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
             entry[m] = {"max": max(means), "avg": float(np.mean(means)), "per_seed": means, "seeds": len(means),
                         "train_len_avg": float(np.mean([100 * r["mean_train_lengths"] for r in results])),
                         "train_seconds": [r["train_seconds"] for r in results],
+                        "eval_seconds": [r.get("eval_seconds", 0.0) for r in results],
                         "test_lengths": results[0]["test_lengths"],
                         "thesis": THESIS_TABLE_6_1.get(t, {}).get("rnn" if m == "lstm" else m)}
             lens = results[0]["per_length"].keys()
@@ -133,13 +202,72 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
     return table
 
 
+def _run_seconds(res: dict) -> float:
+    return float(res.get("train_seconds", 0.0)) + float(res.get("eval_seconds", 0.0))
+
+
+def wall_time(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "quick",
+              per_model: dict | None = None, **overrides) -> dict:
+    """Measured and projected compute time of ``regular table`` (same arguments).
+
+    Every planned run whose result is on disk with the same config counts its recorded
+    train_seconds + eval_seconds. A missing run is estimated by the mean of the finished runs of
+    the same model column on the same task, else on the same task family (Deletang: test
+    41..500; Bhattacharya: 51..100), else on any task; "unknown" when the column has no run.
+    """
+    out = Path(out_dir)
+    tasks = _parse_list(tasks, DELETANG + BHATTACHARYA)
+    models = _parse_list(models, DEFAULT_MODELS)
+    cfgs = _planned(tasks, models, seeds, budget, per_model or {}, overrides)
+    done: dict = {}
+    for (t, m, s), cfg in cfgs.items():
+        res = ensure_run(cfg, out / "runs" / t / m / f"seed{s}", progress=False, train=False)
+        if res is not None:
+            done[(t, m, s)] = _run_seconds(res)
+    measured = sum(done.values())
+    estimated, unknown, per_column = 0.0, [], {}
+    for (t, m, s) in cfgs:
+        col = per_column.setdefault(m, {"done": 0, "measured_s": 0.0, "missing": 0, "estimated_s": 0.0})
+        if (t, m, s) in done:
+            col["done"] += 1
+            col["measured_s"] += done[(t, m, s)]
+            continue
+        fam = make_task(t).family
+        for pick in (lambda k: k[0] == t, lambda k: make_task(k[0]).family == fam, lambda k: True):
+            pool = [v for k, v in done.items() if k[1] == m and pick(k)]
+            if pool:
+                break
+        col["missing"] += 1
+        if pool:
+            col["estimated_s"] += float(np.mean(pool))
+            estimated += float(np.mean(pool))
+        else:
+            unknown.append(f"{t}/{m}/seed{s}")
+    return {"runs": len(cfgs), "done": len(done), "measured_s": measured, "missing": len(cfgs) - len(done),
+            "estimated_missing_s": estimated, "projected_total_s": measured + estimated,
+            "unknown": unknown, "per_column": per_column, "budget": budget,
+            "note": "sum of per-run train+eval seconds recorded in result.json (torch threads as "
+                    "recorded there); missing runs estimated from finished ones"}
+
+
+def _hours(sec: float) -> str:
+    return f"{sec / 3600:.1f} h" if sec >= 3600 else f"{sec / 60:.0f} min"
+
+
+def _lengths_text(tl: dict, task: str) -> str:
+    lens = make_task(task).lengths(tl["min"], tl["max"])[:: tl["stride"]]
+    shown = ", ".join(str(x) for x in lens[:3]) + (f", ..., {lens[-1]}" if len(lens) > 3 else "")
+    return f"{tl['count']} lengths ({shown}), {tl['samples_per_length']} strings each"
+
+
 def table_markdown(table: dict, models) -> str:
     head = "| task | " + " | ".join(f"{m} ours | {m} thesis" for m in models) + " |"
     lines = ["# Table 6.1 — length generalisation on regular languages (Max / Avg accuracy %, over "
              f"{table['seeds']} seeds)", "",
-             "Ours: per seed, mean accuracy over every evaluated test length (lengths listed in "
-             "table.json → test_lengths); thesis: Chi 2024 Table 6.1 (its RNN column is shown "
-             "for both rnn and lstm).", "", head, "|" + "---|" * (1 + 2 * len(models))]
+             f"Budget `{table.get('budget', 'quick')}` (see `extrapolab regular table --help`). Ours: per "
+             "seed, the mean accuracy over the evaluated test lengths listed below (Max = best seed, "
+             "Avg = mean over seeds; a cell run with fewer seeds says so); thesis: Chi 2024 Table 6.1 "
+             "(its RNN column is shown for both rnn and lstm).", "", head, "|" + "---|" * (1 + 2 * len(models))]
     for t, entry in table["tasks"].items():
         cells = []
         for m in models:
@@ -150,12 +278,42 @@ def table_markdown(table: dict, models) -> str:
             th = THESIS_TABLE_6_1.get(t, {}).get("rnn" if m == "lstm" else m)
             cells += [ours, f"{th[0]:.1f} / {th[1]:.1f}" if th else "—"]
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    lines += ["", "## In-distribution accuracy (mean over the training lengths 1..40 resp. 1..50, Avg over "
+              "seeds, %)", "",
+              "Near chance here means the model did not fit the training lengths (optimisation), "
+              "not a failure to extrapolate.", "",
+              "| task | " + " | ".join(models) + " |", "|" + "---|" * (1 + len(models))]
+    for t, entry in table["tasks"].items():
+        lines.append(f"| {t} | " + " | ".join(f"{entry[m]['train_len_avg']:.1f}" if m in entry else "—"
+                                              for m in models) + " |")
+    lines += ["", "## Test lengths averaged", ""]
+    seen: dict = {}
+    for t, entry in table["tasks"].items():
+        for m in models:
+            if m in entry:
+                seen.setdefault((t, _lengths_text(entry[m]["test_lengths"], t)), []).append(m)
+    for (t, text), ms in seen.items():
+        lines.append(f"- {t} ({', '.join(ms)}): {text}")
+    wt = table.get("wall_time")
+    if wt:
+        lines += ["", "## Wall time", "",
+                  f"Measured compute of the {wt['done']} finished runs (train + eval, recorded per run): "
+                  f"{_hours(wt['measured_s'])}. Missing: {wt['missing']} of {wt['runs']} runs, estimated "
+                  f"{_hours(wt['estimated_missing_s'])} from the finished ones (same column, same task, else "
+                  f"same family). Projected full table ({wt['runs']} runs, one process): "
+                  f"**{_hours(wt['projected_total_s'])}**"
+                  + (f"; no estimate for {len(wt['unknown'])} runs of columns with no finished run."
+                     if wt["unknown"] else "."), "",
+                  "| column | runs done | measured | missing | estimated |", "|---|---|---|---|---|"]
+        for m, c in wt["per_column"].items():
+            lines.append(f"| {m} | {c['done']} | {_hours(c['measured_s'])} | {c['missing']} | "
+                         f"{_hours(c['estimated_s'])} |")
     return "\n".join(lines) + "\n"
 
 
 def sweep_p(out_dir, models=None, seeds: int = 3, ps=SWEEP_P, progress: bool = True,
             per_model: dict | None = None, eval_stride: int | None = None,
-            eval_samples: int | None = None, **overrides) -> dict:
+            eval_samples: int | None = None, budget: str = "quick", **overrides) -> dict:
     """Table 6.2: train on Parity with P(sigma=1) = 0.5, evaluate with P(sigma=1) = p at the
     training length 40 ("same length") and over 41..500 ("extrapolation"; every
     ``eval_stride``-th length with ``eval_samples`` strings, default: the run's test settings)."""
@@ -166,7 +324,7 @@ def sweep_p(out_dir, models=None, seeds: int = 3, ps=SWEEP_P, progress: bool = T
     for m in models:
         same, extra = [], []
         for s in range(seeds):
-            cfg = run_config("parity", m, s, **{**overrides, **(per_model or {}).get(m, {})})
+            cfg = run_config("parity", m, s, budget, **{**overrides, **(per_model or {}).get(m, {})})
             run_dir = out / "runs" / "parity" / m / f"seed{s}"
             ensure_run(cfg, run_dir, progress)
             model, rcfg, _ = load_run(run_dir)

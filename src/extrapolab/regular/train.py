@@ -171,16 +171,29 @@ def run(cfg: RegularRunConfig, out_dir: str | Path | None = None, progress: bool
     if threads:
         torch.set_num_threads(int(threads))
     cfg = cfg.resolved()
-    task = make_task(cfg.task, **cfg.task_options)
     model, history, info = fit(cfg, progress)
+    result = {"config": asdict(cfg), **info, **_score(model, cfg, progress), "history": history}
+    if out_dir is not None:
+        save_run(out_dir, cfg, model, result)
+    result["model"] = model
+    return result
+
+
+#: run options that only change the final scoring, never training (``reevaluate`` may change them)
+TEST_OPTIONS = ("test_min", "test_max", "test_stride", "test_samples", "eval_tokens")
+
+
+def _score(model, cfg: RegularRunConfig, progress: bool = False) -> dict:
+    """The result.json fields of the final evaluation of a trained model (``cfg`` resolved)."""
+    task = make_task(cfg.task, **cfg.task_options)
     t0 = time.perf_counter()
     test_lengths = task.lengths(cfg.test_min, cfg.test_max)[:: cfg.test_stride]
     per_len = evaluate_lengths(model, task, test_lengths, cfg.test_samples, cfg.seed,
                                cfg.eval_tokens, progress)
     in_lengths = task.lengths(cfg.train_min, cfg.train_max)
     per_in = evaluate_lengths(model, task, in_lengths, cfg.test_samples, cfg.seed, cfg.eval_tokens)
-    result = {
-        "config": asdict(cfg), "task": task.describe(), **info,
+    return {
+        "task": task.describe(),
         "eval_seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
         "test_lengths": {"min": cfg.test_min, "max": cfg.test_max, "stride": cfg.test_stride,
                          "count": len(test_lengths), "samples_per_length": cfg.test_samples},
@@ -190,11 +203,22 @@ def run(cfg: RegularRunConfig, out_dir: str | Path | None = None, progress: bool
         "acc_at_train_max": per_in[in_lengths[-1]],
         "per_length": {str(k): v for k, v in per_len.items()},
         "per_train_length": {str(k): v for k, v in per_in.items()},
-        "history": history,
     }
-    if out_dir is not None:
-        save_run(out_dir, cfg, model, result)
-    result["model"] = model
+
+
+def reevaluate(run_dir, progress: bool = False, **test_options) -> dict:
+    """Score a finished run again with other ``TEST_OPTIONS`` and rewrite its config.json and
+    result.json (training record kept). Training never reads these options (the test strings come
+    from their own seed stream), so the result is what a fresh run with the new config gives."""
+    bad = sorted(set(test_options) - set(TEST_OPTIONS))
+    if bad:
+        raise UserError(f"reevaluate changes only {', '.join(TEST_OPTIONS)}, not {bad}")
+    model, cfg, old = load_run(run_dir)
+    if not old:
+        raise UserError(f"{Path(run_dir) / 'result.json'} is missing; train the run first")
+    new_cfg = RegularRunConfig.from_dict({**asdict(cfg), **test_options}).resolved()
+    result = {**old, "config": asdict(new_cfg), **_score(model, new_cfg, progress)}
+    save_run(run_dir, new_cfg, model, result)
     return result
 
 
