@@ -250,3 +250,20 @@ def test_hankel_mask_probe_and_view_layout():
     q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4)
     assert torch.allclose(F.scaled_dot_product_attention(q, k, v, attn_mask=view),
                           F.scaled_dot_product_attention(q, k, v, attn_mask=view.contiguous()), atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "blocked", "plain"])
+@pytest.mark.parametrize("scheme", ["alibi", "windowed", "kerple-log"])
+def test_tables_cached_under_inference_mode_do_not_break_a_later_backward(scheme, impl):
+    """An evaluation (inference_mode) fills the scheme's table cache; input gradients afterwards
+    (ERF) must neither fail nor change: the inference-mode entries are rebuilt, not reused."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=50, layers=2, heads=2, dim=16, scheme=scheme, train_length=16)).eval()
+    idx = torch.randint(0, 50, (1, 40))
+    opts = AttnOptions(impl=impl, block_size=8)
+    with torch.inference_mode():
+        ref = model(idx, opts=opts)
+    out = model(idx, opts=opts)
+    out[0, -1].logsumexp(-1).backward()  # fails on inference tensors without the rebuild
+    assert torch.allclose(out.detach(), ref)
+    assert all(p.grad is not None for p in model.blocks[0].parameters() if p.requires_grad)

@@ -40,12 +40,15 @@ def test_stream(cfg):
     return data.split(getattr(cfg.eval, "split", "test") or "test")
 
 
-def default_erf_length(cfg, n_tokens: int) -> int:
+def default_erf_length(cfg, n_tokens: int, want: int | None = None) -> int:
+    """The ERF length for a run: ``want`` (default: its longest eval length, at most 8·L_tr and
+    4096), never beyond the stream; L_tr for learned APE (no embedding beyond L_tr)."""
     L_tr = int(cfg.model.train_length)
     if cfg.model.scheme == "learned":
-        return L_tr  # no embedding beyond L_tr
-    want = min(max(list(cfg.eval.lengths) + [L_tr]), 8 * L_tr, 4096)
-    return int(max(2, min(want, n_tokens)))
+        return L_tr
+    if want is None:
+        want = min(max(list(cfg.eval.lengths) + [L_tr]), 8 * L_tr, 4096)
+    return int(max(2, min(int(want), n_tokens)))
 
 
 def analyze_all(run_dir, out_dir=None, *, which: str = "best", tokens=None, erf_length: int | None = None,
@@ -132,9 +135,7 @@ def sweep_analysis(model, cfg, stream, *, length: int, segments: int = 4, eps: f
     embedding beyond). A2 on the *trained* scheme: per-head convergence of sum exp(bias) and TRF
     n_the(eps) (Qin eq. 22). Returns {"erf": {...}, "theory": {...}}.
     """
-    L_tr = int(cfg.model.train_length)
-    L = L_tr if cfg.model.scheme == "learned" else int(length)
-    L = int(max(2, min(L, len(stream))))
+    L = default_erf_length(cfg, len(stream), length)
     segs = segments_from_stream(stream, L, segments)  # [N, L]
     e = measure_erf(model, segs, opts=AttnOptions(impl="blocked", block_size=block_size))
     out = {"erf": {"length": L, "c": [float(x) for x in e["c"]], "erf_tokens": e["erf_tokens"],

@@ -107,13 +107,12 @@ class DistanceBias:
             return self._hankels[mkey]
         cache = self.scheme._table_cache
         ckey = ("hankel", self.device) + key
-        hit = cache.get(ckey)  # (master, big, tail, dfin, params): master[y] = f(big - y)
+        hit = self.scheme.cached(ckey)  # (master, big, tail, dfin, params): master[y] = f(big - y)
         if not self._fp:
             ps = [p.detach().reshape(-1) for p in self.scheme.parameters()] if self.scheme.has_bias else []
             self._fp.append(torch.cat(ps).clone() if ps else None)
         params = self._fp[0]
-        stale = hit is not None and hit[0].is_inference() and not torch.is_inference_mode_enabled()
-        if hit is None or stale or hit[1] < dmax or hit[2] < size - dmax - 1 or not _same(hit[4], params):
+        if hit is None or hit[1] < dmax or hit[2] < size - dmax - 1 or not _same(hit[4], params):
             grow = hit is not None and _same(hit[4], params)
             big = max(dmax, 2 * hit[1] if grow else 0, 255)
             tail = max(size - dmax - 1, 2 * hit[2] if grow else 0, 256)

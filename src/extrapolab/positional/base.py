@@ -50,7 +50,17 @@ class PositionalScheme(nn.Module):
         if int(num_heads) < 1:
             raise SchemeError(f"num_heads must be >= 1, got {num_heads}; pass --set model.heads=8")
         self.num_heads = int(num_heads)
-        self._table_cache: dict[tuple, torch.Tensor] = {}
+        self._table_cache: dict[tuple, object] = {}
+
+    def cached(self, key: tuple):
+        """``_table_cache[key]`` (a tensor, or a tuple whose first item is one), or None when
+        missing or built under ``inference_mode`` while autograd now runs: autograd may not save
+        inference tensors (e.g. input gradients for an ERF after an evaluation)."""
+        hit = self._table_cache.get(key)
+        t = hit[0] if isinstance(hit, tuple) else hit
+        if t is not None and t.is_inference() and not torch.is_inference_mode_enabled():
+            return None
+        return hit
 
     # ---- hooks -------------------------------------------------------------------------
     def embed(self, positions: torch.Tensor, dim: int) -> torch.Tensor | None:
@@ -123,9 +133,7 @@ class RelativeBias(PositionalScheme):
             dist = torch.arange(n, device=device)
             return self.bias_from_distance(dist, layer).to(dtype)  # [H, n]
         key = (layer, device, dtype)
-        cached = self._table_cache.get(key)
-        if cached is not None and cached.is_inference() and not torch.is_inference_mode_enabled():
-            cached = None  # built under inference_mode: autograd may not save it (e.g. ERF after eval)
+        cached = self.cached(key)
         if cached is None or cached.shape[-1] < n:
             size = max(n, 2 * (cached.shape[-1] if cached is not None else 0), 256)
             with torch.no_grad():

@@ -17,15 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..eval.stats import format_cell, summary  # noqa: E402
 from .db import ResultsDB  # noqa: E402
 from .plots import save  # noqa: E402
-
-
-def _mean_std(vals: list[float]) -> str:
-    if not vals:
-        return "—"
-    m = float(np.mean(vals))
-    return f"{m:.0f} ± {float(np.std(vals, ddof=1)):.0f}" if len(vals) > 1 else f"{m:.0f}"
 
 
 def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
@@ -57,7 +51,7 @@ def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
         else:
             conv, trf = "no bias", "—"
         sh = f"{100 * np.mean(share[label]):.0f}%" if share.get(label) else "—"
-        rows.append(f"| {label} | {length.get(label, '—')} | {_mean_std(vals)} | {inside} | {sh} | {conv} | {trf} |")
+        rows.append(f"| {label} | {length.get(label, '—')} | {format_cell(summary(vals))} | {inside} | {sh} | {conv} | {trf} |")
     return "\n".join(rows) + "\n"
 
 
