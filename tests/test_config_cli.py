@@ -29,6 +29,9 @@ def test_overrides_are_typed():
     (["train.steps=abc"], "train.steps must be int"),
     (["model.layers=2.5"], "model.layers must be int"),
     (["nonsense"], "must look like a.b=c"),
+    (["eval.erf_length=-1"], "eval.erf_length must be >= 0 (0 = off)"),
+    (["eval.erf_segments=0"], "eval.erf_segments >= 1"),
+    (["eval.trf_eps=1.5"], "eval.trf_eps in (0, 1)"),
 ])
 def test_bad_overrides_name_the_fix(override, needle):
     with pytest.raises(C.ConfigError, match=re.escape(needle)):
