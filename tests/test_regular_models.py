@@ -143,3 +143,29 @@ def test_modular_arithmetic_chunks_are_whole_operator_number_steps():
             real = end > start
             assert np.all((end[real] - 1) % 2 == 0), T  # every unit ends on a number
             assert start[real][0] == 0 and np.all(start[real][1:] % 2 == 1), T  # and starts at an operator
+
+
+@pytest.mark.parametrize("C,norm", [(2, "post"), (3, "post"), (2, "pre")])
+def test_prefix_outputs_equal_the_chunk_path_on_every_prefix(C, norm):
+    """forward_prefixes (sliding eq. 6.1, one pass) at position i == forward(idx[:, :i+1]), which
+    has its own depth ceil(log_C (i+1)) and level pads; the targets of supervision='prefix'."""
+    m = _model(C=C, norm=norm)
+    idx = torch.randint(0, 3, (3, 2 * C ** 3 + 1))
+    with torch.no_grad():
+        allp = m.forward_prefixes(idx)  # [B, T, classes]
+        ref = torch.stack([m(idx[:, :i + 1]) for i in range(idx.shape[1])], dim=1)
+    assert allp.shape == ref.shape
+    assert torch.allclose(allp, ref, atol=1e-5)
+    with pytest.raises(UserError, match="K=1"):
+        _model(C=C, K=2).forward_prefixes(idx)
+
+
+@pytest.mark.parametrize("kind", ["transformer", "lstm", "rnn"])
+def test_baseline_prefix_outputs_equal_forward_on_prefixes(kind):
+    torch.manual_seed(0)
+    m = build_model(kind, 8, 5).eval()
+    idx = torch.randint(0, 8, (2, 19))
+    with torch.no_grad():
+        allp = m.forward_prefixes(idx)
+        for i in (0, 7, 18):
+            assert torch.allclose(allp[:, i], m(idx[:, :i + 1]), atol=1e-5), i

@@ -168,3 +168,22 @@ def test_modular_arithmetic_chance_level_and_deepmind_layout():
         assert x[:, 0::2].max() <= 4 and x[:, 1::2].min() >= 5
     assert task.lengths(1, 40) == list(range(1, 40, 2))
     assert sorted({T - (T % 2 == 0) for T in range(41, 501)}) == task.lengths(41, 500)
+
+
+@pytest.mark.parametrize("name", [*DELETANG, "tomita4", "d2"])
+def test_prefix_labels_are_the_labels_of_every_prefix(name):
+    """prefix_labels[:, i] = reference label of the first i+1 symbols; IGNORE at invalid lengths."""
+    from extrapolab.regular.tasks import IGNORE
+
+    task = make_task(name)
+    ref = DEL_REFS.get(name) or (lambda s: int(REFS[name](s)))
+    x, _ = task.sample(np.random.default_rng(3), 16, task.lengths(20, 30)[0])
+    lab = task.prefix_labels(x)
+    assert lab.shape == x.shape
+    for i in range(x.shape[1]):
+        if task.length_ok(i + 1):
+            assert lab[:, i].tolist() == [int(ref(task.decode(row[:i + 1]))) for row in x], i
+        else:
+            assert (lab[:, i] == IGNORE).all(), i
+    if name == "modular_arithmetic":
+        assert (lab[:, 1::2] == IGNORE).all() and (lab[:, 0::2] >= 0).all()

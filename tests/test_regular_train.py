@@ -161,3 +161,29 @@ def test_regulargpt_parity_extrapolates_and_transformer_does_not():
     cfg = RegularRunConfig(task="parity", model="transformer", model_options={"scheme": "t5"},
                            lr=3e-4, steps=600, test_stride=25, test_samples=64)
     assert abs(run(cfg, None, progress=False)["mean_test"] - 0.5) < 0.06
+
+
+@pytest.mark.parametrize("model", ["regulargpt", "lstm"])
+def test_prefix_supervision_trains_and_checks_its_options(model):
+    res = run(tiny("modular_arithmetic", model, supervision="prefix", val_lengths=[13]), None, progress=False)
+    assert res["steps_run"] == 4 and 0.0 <= res["mean_test"] <= 1.0
+    assert res["config"]["supervision"] == "prefix"
+    with pytest.raises(UserError, match="supervision must be"):
+        tiny(supervision="all").resolved()
+    with pytest.raises(UserError, match="K=1"):
+        tiny(supervision="prefix", model_options={"dim": 16, "heads": 2, "K": 2}).resolved()
+
+
+def test_prefix_supervision_loss_averages_every_labelled_prefix():
+    from extrapolab.regular.baselines import build_model
+    from extrapolab.regular.train import _loss
+
+    task = make_task("modular_arithmetic")
+    torch.manual_seed(0)
+    m = build_model("regulargpt", task.vocab_size, task.num_classes, dim=16, heads=2)
+    x, y = task.sample(np.random.default_rng(0), 4, 7)
+    with torch.no_grad():
+        per = [torch.nn.functional.cross_entropy(m(torch.from_numpy(x[:, :t])), torch.from_numpy(task.label(x[:, :t])))
+               for t in (1, 3, 5, 7)]  # the odd prefixes are the labelled ones
+        assert torch.allclose(_loss(m, task, x, y, "prefix"), torch.stack(per).mean(), atol=1e-5)
+        assert torch.allclose(_loss(m, task, x, y, "last"), per[-1], atol=1e-6)

@@ -10,11 +10,28 @@ import difflib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Iterable, get_type_hints
 
 import yaml
 
+from .io import UserError
 from .model.gpt import ModelConfig
+
+#: the evaluation protocols of SPEC §3 (E1-E5) by their config names (eval.protocols)
+PROTOCOLS = ("nonoverlapping", "sliding", "last_token", "positionwise", "cached", "recomputed")
+
+
+def check_protocols(protocols: Iterable[str]) -> list[str]:
+    """The protocol names in order, duplicates dropped; an unknown one raises with the fix."""
+    out = []
+    for p in protocols:
+        if p not in PROTOCOLS:
+            close = difflib.get_close_matches(str(p), PROTOCOLS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UserError(f"unknown evaluation protocol {p!r}; {hint}choose from {', '.join(PROTOCOLS)}")
+        if p not in out:
+            out.append(p)
+    return out
 
 CONFIG_VERSION = 1
 
@@ -231,9 +248,6 @@ def validate(cfg: RunConfig) -> None:
                           f"got {cfg.eval.erf_length}, {cfg.eval.erf_segments}, {cfg.eval.trf_eps}")
     if cfg.eval.split not in ("train", "valid", "test"):
         raise ConfigError(f"eval.split must be train, valid or test, got {cfg.eval.split!r}")
-    from .eval.evaluate import check_protocols
-    from .io import UserError
-
     try:  # a typo here would otherwise surface only after training
         check_protocols(cfg.eval.protocols)
     except UserError as e:

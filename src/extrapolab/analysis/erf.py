@@ -197,7 +197,8 @@ def attention_erf(model, segments, eps: float = 0.01, *, opts: AttnOptions | Non
 
 
 def plot_erf(curves: dict, path_stem, *, train_length: int | None = None, threshold: float = 0.99,
-             title: str = "Cumulative normalized gradient") -> list[str]:
+             title: str = "Cumulative normalized gradient",
+             xlabel: str = "position m (1-based; the last token is predicted)") -> list[str]:
     """Overlay several runs' c_m (Sandwich Figs. 4-7, 11): x = position m, L_tr window marked."""
     fig, ax = new_figure()
     L = None
@@ -209,7 +210,7 @@ def plot_erf(curves: dict, path_stem, *, train_length: int | None = None, thresh
     if L and train_length:
         ax.axvline(L - train_length, color="gray", ls="--", lw=1, label=f"L_tr = {train_length} most recent")
     ax.axhline(threshold, color="red", ls=":", lw=1, label=f"c = {threshold}")
-    ax.set_xlabel("position m (1-based; the last token is predicted)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("c_m")
     ax.set_title(title)
     ax.set_ylim(-0.02, 1.02)

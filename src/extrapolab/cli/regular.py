@@ -79,6 +79,8 @@ def train(
     stop_acc: Optional[float] = typer.Option(1.0, help="stop when train-length and validation accuracy reach it"),
     test_stride: int = typer.Option(1, help="evaluate every k-th valid test length"),
     test_samples: int = typer.Option(128, help="strings per test length"),
+    supervision: str = typer.Option("last", help="last: loss on the whole string's label (thesis "
+                                    "Table 6.1 here); prefix: on the label of every prefix"),
     threads: int = typer.Option(1, help="torch CPU threads"),
     progress: bool = True,
 ):
@@ -89,7 +91,7 @@ def train(
     cfg = RegularRunConfig(task=task, task_options=_kv(task_opt, "--task-opt"), model=model,
                            model_options=_kv(opt, "--opt"), seed=seed, steps=steps, lr=lr,
                            batch_size=batch_size, stop_acc=stop_acc, test_stride=test_stride,
-                           test_samples=test_samples)
+                           test_samples=test_samples, supervision=supervision)
     res = run(cfg, out, progress=progress)
     typer.echo(f"{task}/{model}/seed{seed}: {res['steps_run']} steps ({res['train_seconds']:.1f} s), best step "
                f"{res['best_step']}; accuracy at train lengths {100 * res['mean_train_lengths']:.1f}%, mean over "
@@ -217,6 +219,26 @@ def pca(
     res = pca_figure(run_dir, out, length, batch)
     typer.echo(json.dumps({k: v for k, v in res.items() if k != "plots"}, indent=1))
     typer.echo("wrote " + ", ".join(res["plots"]))
+
+
+@app.command()
+@_guard
+def erf(
+    run_dirs: List[Path] = typer.Argument(..., help="run folders of one task (any model kinds)"),
+    out: Path = typer.Option(Path("reports/regular/erf"), help="writes erf.json, erf.png/svg here"),
+    length: int = typer.Option(500, help="string length T (Deletang tests: 41..500)"),
+    samples: int = typer.Option(32, help="strings averaged"),
+    threads: int = 1,
+):
+    """Fig. 6.4a: cumulative gradient c_m from the last token back, per run, on the same strings."""
+    from ..regular.erf import regular_erf
+
+    _threads(threads)
+    res = regular_erf(run_dirs, out, length, samples)
+    for r in res["runs"]:
+        typer.echo(f"{r['name']}: ERF {r['erf_tokens']} of {length} tokens hold 99% of the gradient; "
+                   f"{100 * r['share_beyond_train']:.1f}% lies beyond the last {res['train_max']} tokens")
+    typer.echo("wrote " + ", ".join(res["figures"]) + f", {out / 'erf.json'}")
 
 
 @app.command()

@@ -11,7 +11,6 @@ on. Lengths are string keys in the output so it survives a JSON round trip uncha
 """
 from __future__ import annotations
 
-import difflib
 import math
 import time
 from typing import Iterable
@@ -19,6 +18,7 @@ from typing import Iterable
 import numpy as np
 from torch import nn
 
+from ..config import PROTOCOLS, check_protocols  # noqa: F401 (re-exported by eval/)
 from ..io import UserError
 from ..model.attention import AttnOptions
 from ..positional.base import SchemeError
@@ -28,7 +28,6 @@ from .perplexity import last_token, last_token_ends, nonoverlapping, sliding
 from .positionwise import positionwise_with_reference
 from .verdict import verdict
 
-PROTOCOLS = ("nonoverlapping", "sliding", "last_token", "positionwise", "cached", "recomputed")
 BY_LENGTH = ("nonoverlapping", "sliding", "last_token", "cached", "recomputed")
 
 
@@ -47,18 +46,6 @@ def _jsonable(x):
     if isinstance(x, np.bool_):
         return bool(x)
     return x
-
-
-def check_protocols(protocols: Iterable[str]) -> list[str]:
-    out = []
-    for p in protocols:
-        if p not in PROTOCOLS:
-            close = difflib.get_close_matches(str(p), PROTOCOLS, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise UserError(f"unknown evaluation protocol {p!r}; {hint}choose from {', '.join(PROTOCOLS)}")
-        if p not in out:
-            out.append(p)
-    return out
 
 
 def _per_length(fn, lengths):

@@ -35,6 +35,10 @@ class TransformerClassifier(nn.Module):
         h = self.gpt(idx, return_hidden=True)["hidden"]  # [B, T, D] after the final LayerNorm
         return self.head(h[:, -1])  # [B, classes]
 
+    def forward_prefixes(self, idx: torch.Tensor) -> torch.Tensor:
+        """Causal, so position i sees exactly the prefix idx[:, :i+1]: [B, T] -> [B, T, classes]."""
+        return self.head(self.gpt(idx, return_hidden=True)["hidden"])
+
     def constrain_(self) -> None:
         self.gpt.constrain_()
 
@@ -54,6 +58,11 @@ class RecurrentClassifier(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         out, _ = self.rnn(self.emb(idx))  # [B, T, hidden]
         return self.head(out[:, -1])  # [B, classes]
+
+    def forward_prefixes(self, idx: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [B, T, classes], the hidden state after every prefix."""
+        out, _ = self.rnn(self.emb(idx))  # [B, T, hidden]
+        return self.head(out)
 
 
 MODEL_KINDS = ("regulargpt", "transformer", "lstm", "rnn")

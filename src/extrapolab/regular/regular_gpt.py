@@ -94,7 +94,33 @@ class SharedLayer(nn.Module):
             kv = F.linear(h, w[D:], b[D:]).view(N, L, 2, self.heads, -1)  # [N, L, 2, H, Dh]
             out = chunk_attention(q, kv[:, :, 0], kv[:, :, 1], bias[:, L - lq:])  # [N, Lq, H, Dh]
             x = x[:, L - lq:]
-        y = self.proj(out.reshape(N, out.shape[1], D))  # [N, Lq, D]
+        return self._finish(x, out)
+
+    def forward_sliding(self, x: torch.Tensor, pad: torch.Tensor, shift: int, bias: torch.Tensor):
+        """Eq. 6.1 at every position: query i attends keys i - j·shift (j < C), the pad vector
+        standing in where i - j·shift < 0 (as the chunk path's left pad does); O(T·C).
+
+        x [N, T, D], pad [D], bias [H, C] (for j = 0..C-1) -> [N, T, D].
+        """
+        N, T, D = x.shape
+        C = bias.shape[1]
+        h = torch.cat([pad.expand(N, 1, D), x], dim=1)  # [N, 1 + T, D]: slot 0 is the pad
+        if self.norm == "pre":
+            h = self.ln1(h)
+        w, b = self.qkv.weight, self.qkv.bias  # [3D, D], [3D]
+        q = F.linear(h[:, 1:], w[:D], b[:D]).view(N, T, self.heads, -1)  # [N, T, H, Dh]
+        kv = F.linear(h, w[D:], b[D:]).view(N, T + 1, 2, self.heads, -1)  # [N, 1+T, 2, H, Dh]
+        src = torch.arange(T, device=x.device)[:, None] - torch.arange(C, device=x.device) * shift  # [T, C]
+        kvj = kv[:, (src + 1).clamp(min=0)]  # [N, T, C, 2, H, Dh]
+        s = (q[:, :, None] * kvj[:, :, :, 0]).sum(-1) / math.sqrt(q.shape[-1])  # [N, T, C, H]
+        p = torch.softmax(s + bias.t(), dim=2)  # [N, T, C, H]
+        out = (p[..., None] * kvj[:, :, :, 1]).sum(2)  # [N, T, H, Dh]
+        return self._finish(x, out)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residuals, norms and FFN: x [N, Lq, D], out [N, Lq, H, Dh]."""
+        N, Lq, D = x.shape
+        y = self.proj(out.reshape(N, Lq, D))  # [N, Lq, D]
         if self.norm == "pre":
             x = x + y
             return x + self.ffn(self.ln2(x))
@@ -181,6 +207,31 @@ class RegularGPT(nn.Module):
         if return_levels:
             return {"logits": logits, "levels": outs, "spans": spans}
         return logits
+
+    def forward_prefixes(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits for every prefix at once: [B, T] -> [B, T, classes], where [:, i] equals
+        ``forward(idx[:, :i+1])`` (its own depth ceil(log_C (i+1)), pads where the chunk path pads).
+
+        The sliding form of eq. 6.1 (thesis Fig. 6.1, every row of the mask, not only the last):
+        level l lets position i read i - j·C^l; position i is read out after its own last level.
+        Costs O(T·C) per level and log_C T levels. Needs K = 1: with K > 1 the thesis' chunks do
+        not overlap, so the sliding positions would see across chunk borders.
+        """
+        if self.cfg.K != 1:
+            raise UserError(f"prefix outputs need thickness K=1 (got K={self.cfg.K}); "
+                            "use supervision=last for K > 1")
+        B, T = idx.shape
+        C = self.cfg.C
+        x = self.embed(idx)  # [B, T, D]
+        pad = self._pad_vec()  # [D]
+        depth = torch.tensor([num_levels(t, C) for t in range(1, T + 1)], device=idx.device)  # [T]
+        out = x
+        j = torch.arange(C, device=idx.device)
+        for level in range(num_levels(T, C)):
+            bias = self.scheme.bias_from_distance(j * C ** level, level)  # [H, C]
+            x = self.layers[0].forward_sliding(x, pad, C ** level, bias)  # [B, T, D]
+            out = torch.where((depth == level + 1)[None, :, None], x, out)  # [B, T, D]
+        return self.head(self.ln_f(out))  # [B, T, classes]
 
     def forward_full(self, idx: torch.Tensor) -> torch.Tensor:
         """Dense reference: the whole (once-padded) sequence through L·K layers with the S15 mask."""

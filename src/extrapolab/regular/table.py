@@ -131,9 +131,11 @@ def ensure_run(cfg: RegularRunConfig, run_dir: Path, progress: bool = True, trai
     if res.is_file():
         try:
             old = json.loads(res.read_text())
-            if old.get("config") == json.loads(json.dumps(asdict(cfg.resolved()))):
+            # through from_dict, so options added later compare at their defaults
+            saved = asdict(RegularRunConfig.from_dict(old.get("config") or {}))
+            if json.loads(json.dumps(saved)) == json.loads(json.dumps(asdict(cfg.resolved()))):
                 return old
-        except (ValueError, OSError):
+        except (ValueError, OSError, TypeError, UserError):
             pass
     if not train:
         return None

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..io import UserError, atomic_write_json, atomic_write_with
 from .baselines import build_model
-from .tasks import make_task
+from .tasks import IGNORE, make_task
 
 VAL_STREAM, TEST_STREAM, TRAIN_STREAM = 7001, 7002, 7003
 
@@ -56,6 +57,7 @@ class RegularRunConfig:
     test_stride: int = 1
     test_samples: int = 128
     eval_tokens: int = 8192  # tokens per evaluation batch (memory bound)
+    supervision: str = "last"  # "last": the label of the whole string | "prefix": of every prefix
 
     @classmethod
     def from_dict(cls, d: dict) -> "RegularRunConfig":
@@ -83,6 +85,10 @@ class RegularRunConfig:
                 raise UserError(f"{name} must be >= 1, got {getattr(c, name)}")
         for t in c.val_lengths:
             task.check_length(int(t))
+        if c.supervision not in ("last", "prefix"):
+            raise UserError(f"supervision must be 'last' or 'prefix', got {c.supervision!r}")
+        if c.supervision == "prefix" and c.model == "regulargpt" and c.model_options.get("K", 1) != 1:
+            raise UserError("supervision=prefix needs RegularGPT thickness K=1; drop K or use supervision=last")
         return c
 
 
@@ -115,6 +121,15 @@ def evaluate_lengths(model, task, lengths, samples: int = 128, seed: int = 0,
     return out
 
 
+def _loss(model, task, x: np.ndarray, y: np.ndarray, supervision: str) -> torch.Tensor:
+    """Cross-entropy of the final label, or (``"prefix"``) the mean over every labelled prefix."""
+    if supervision == "prefix":
+        logits = model.forward_prefixes(torch.from_numpy(x))  # [B, T, classes]
+        target = torch.from_numpy(task.prefix_labels(x))  # [B, T], IGNORE where no label
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE)
+    return F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+
+
 def fit(cfg: RegularRunConfig, progress: bool = True):
     """Train from scratch -> (best model, history list, info dict). ``cfg`` must be resolved."""
     task = make_task(cfg.task, **cfg.task_options)
@@ -131,7 +146,7 @@ def fit(cfg: RegularRunConfig, progress: bool = True):
     losses, streak = [], 0
     for step in bar:
         x, y = task.sample(rng, cfg.batch_size, int(rng.choice(train_lengths)))
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+        loss = _loss(model, task, x, y, cfg.supervision)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip:

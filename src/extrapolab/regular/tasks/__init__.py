@@ -1,5 +1,5 @@
 """Regular-language tasks of thesis Table 6.1, one file each, behind ``make_task(name)``."""
-from .base import DFA, MembershipTask, Task, TransductionTask
+from .base import DFA, IGNORE, MembershipTask, Task, TransductionTask
 from .registry import TASKS, make_task, register_task, task_names
 
 from . import even_pairs  # noqa: F401

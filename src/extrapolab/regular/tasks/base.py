@@ -25,6 +25,10 @@ import numpy as np
 from ...io import UserError
 
 
+#: target value for positions without a label (PyTorch cross_entropy's default ignore_index)
+IGNORE = -100
+
+
 class Task:
     name: str = "task"
     family: str = ""  # "deletang" | "bhattacharya"
@@ -54,6 +58,17 @@ class Task:
     def label(self, tokens: np.ndarray) -> np.ndarray:
         """Vectorised labels of a [B, T] token array -> [B]."""
         raise NotImplementedError
+
+    def prefix_labels(self, tokens: np.ndarray) -> np.ndarray:
+        """Labels of every prefix: [B, T] -> [B, T], column i = ``label(tokens[:, :i+1])``, and
+        IGNORE where length i+1 is not valid (e.g. even lengths of Modular Arithmetic). The
+        per-position targets of ``supervision="prefix"`` (the semiautomaton state at every step,
+        Liu et al. 2023a, which thesis §6.1.1 cites for its transduction protocol)."""
+        out = np.full(tokens.shape, IGNORE, dtype=np.int64)  # [B, T]
+        for t in range(1, tokens.shape[1] + 1):
+            if self.length_ok(t):
+                out[:, t - 1] = self.label(tokens[:, :t])
+        return out
 
     def decode(self, tokens) -> str:
         return "".join(self.symbols[int(t)] for t in tokens)
