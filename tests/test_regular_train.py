@@ -87,6 +87,10 @@ def test_table_resumes_and_writes_markdown(tmp_path, monkeypatch):
     assert "| parity |" in md and "100.0 / 100.0" in md
     assert (tmp_path / "plots" / "per_length_parity.png").is_file()
     assert (tmp_path / "plots" / "per_length_parity.svg").is_file()
+    erf = t["erf"]["parity"]  # Fig. 6.4a on the seed-0 runs, at the longest test length
+    assert erf["length"] == 44 and set(erf["columns"]) == {"rnn", "regulargpt-C2"}
+    assert all(0.0 <= c["share_beyond_train"] <= 1.0 and 1 <= c["erf_tokens"] <= 44 for c in erf["columns"].values())
+    assert "## Receptive field" in md and (tmp_path / "erf" / "parity" / "erf.png").is_file()
 
     def boom(*a, **k):
         raise AssertionError("finished runs must be reused")

@@ -15,6 +15,7 @@ the L_tr-th token from the end: the gradient share of the tokens older than the 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,43 @@ def regular_erf(run_dirs, out_dir, length: int = 500, samples: int = 32, seed: i
               "threshold": threshold, "runs": rows, "figures": figs}
     atomic_write_json(out / "erf.json", result)
     return result
+
+
+def erf_for_table(out_dir, tasks, models, samples: int = 16) -> dict:
+    """Fig. 6.4a for every task of a ``regular table`` folder: the seed-0 run of each column, on
+    the same strings of the longest length the first column was tested at -> {task: {"length", "train_max", "figures",
+    "columns": {model: {"erf_tokens", "share_beyond_train"}}}} (runs not on disk are left out)."""
+    out, res = Path(out_dir), {}
+    for t in tasks:
+        cols = [m for m in models if (out / "runs" / t / m / "seed0" / "result.json").is_file()]
+        if not cols:
+            continue
+        task = make_task(t)
+        tested = json.loads((out / "runs" / t / cols[0] / "seed0" / "result.json").read_text())["test_lengths"]
+        length = task.lengths(tested["min"], tested["max"])[-1]  # the longest length the table scored
+        r = regular_erf([out / "runs" / t / m / "seed0" for m in cols], out / "erf" / t, length, samples)
+        res[t] = {"length": length, "train_max": r["train_max"], "figures": r["figures"],
+                  "columns": {m: {"erf_tokens": row["erf_tokens"], "share_beyond_train": row["share_beyond_train"]}
+                              for m, row in zip(cols, r["runs"])}}
+    return res
+
+
+def erf_markdown(erf_table: dict, models) -> str:
+    """The receptive-field section of table.md (share beyond L_tr, ERF tokens)."""
+    if not erf_table:
+        return ""
+    lines = ["", "## Receptive field (thesis §6.6.4, Fig. 6.4a; seed 0)", "",
+             "Gradient of the class loss w.r.t. each input embedding at the longest test length T, mean "
+             "over the same strings for every column: the share of the gradient on tokens older than the "
+             "training length L_tr (a model that uses every token puts about 1 - L_tr/T there), and in "
+             "brackets the ERF, the fewest most recent tokens holding 99%. Figures: `erf/<task>/erf.png`.",
+             "", "| task | T | L_tr | 1 - L_tr/T | " + " | ".join(models) + " |",
+             "|---|---|---|---|" + "---|" * len(models)]
+    for t, e in erf_table.items():
+        cells = []
+        for m in models:
+            c = e["columns"].get(m)
+            cells.append(f"{100 * c['share_beyond_train']:.0f}% ({c['erf_tokens']})" if c else "—")
+        lines.append(f"| {t} | {e['length']} | {e['train_max']} | {100 * (1 - e['train_max'] / e['length']):.0f}% | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

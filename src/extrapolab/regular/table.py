@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io import UserError, atomic_write_json, atomic_write_text
+from .erf import erf_for_table, erf_markdown
 from .plots import plot_per_length
 from .tasks import BHATTACHARYA, DELETANG, make_task
 from .train import RegularRunConfig, evaluate_lengths, load_run, run
@@ -199,8 +200,9 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
         task = make_task(t)
         entry["_plots"] = plot_per_length(curves, out / "plots" / f"per_length_{t}",
                                           f"{t}: accuracy vs length (mean over the seeds run)", task.train_max)
+    table["erf"] = erf_for_table(out, [t for t in tasks if t in rows], models)
     atomic_write_json(out / "table.json", table)
-    atomic_write_text(out / "table.md", table_markdown(table, models))
+    atomic_write_text(out / "table.md", table_markdown(table, models) + erf_markdown(table["erf"], models))
     return table
 
 
