@@ -15,6 +15,10 @@ built on ``model.attention.attend`` with the S15 scheme), which the tests check.
 (default) pads every level with the learned vector, like the SPEC §7 prototype (a learned pad
 vector extrapolated; masking the pad slots instead did not); both paths agree when T = C^L.
 
+``forward_prefixes`` runs the *sliding* form of eq. 6.1 (every row of the mask, Fig. 6.1) in
+one O(T·C·log T) pass and returns the logits of every prefix, each equal to ``forward`` on that
+prefix (own depth, same pads); ``supervision="prefix"`` trains on them.
+
 With K > 1 the chunks are non-overlapping (thesis §6.2.1 text); eq. 6.1's *sliding* mask would
 let lower sublayers read across chunk borders, so ``forward_full`` matches only for K = 1.
 Design defaults follow the SPEC §7 prototype: post-LN, ReLU FFN, embeddings × sqrt(D), no

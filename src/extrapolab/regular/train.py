@@ -2,7 +2,9 @@
 
 Protocol (thesis Table 6.1 + the SPEC §7 prototype): every step draws ONE length uniformly from
 the task's valid lengths in [train_min, train_max] (1..40 Deletang, 1..50 Bhattacharya) and a
-batch of 128 strings of that length; Adam, gradient clipping 1.0. Every ``eval_every`` steps the
+batch of 128 strings of that length; Adam, gradient clipping 1.0. The loss is on the final label
+(``supervision="last"``, the table's protocol) or averaged over the label of every valid prefix
+(``"prefix"``: the automaton state after each step, Liu et al. 2023a's dense transduction). Every ``eval_every`` steps the
 model is scored on held-out strings at the largest training length ("in-distribution") and at
 the validation lengths: default 2·train_max and 8·train_max, i.e. 80 and 320 for the Deletang
 tasks, 100 and 400 for the others, strings drawn from a seed stream disjoint from the test
