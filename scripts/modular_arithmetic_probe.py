@@ -9,7 +9,7 @@ base = dict(task="modular_arithmetic", model="regulargpt", model_options={"C": 2
 base.update(over)
 cfg = RegularRunConfig.from_dict(base)
 t0 = time.time()
-res = run(cfg, None, progress=False)
+res = run(cfg, f"/tmp/ma/{name}_run", progress=False)  # run folder kept for eval/erf
 res.pop("model")
 out = {"name": name, "overrides": over, "wall": time.time() - t0,
        **{k: res[k] for k in ("steps_run", "best_step", "train_seconds", "eval_seconds", "mean_test", "min_test",

@@ -96,6 +96,7 @@ def kill_and_resume_training(root: Path, cfg, kills: int, seed: int) -> None:
     run = root / f"killed-{seed}"
     cmd = [PY, "-m", "extrapolab.train", "--preset", str(root / "crash.yaml"), "--run-dir", str(run), "--no-progress"]
     last = 0
+    started_from = None  # checkpoint step the launch that finished the run resumed from (if one did)
     for left in range(kills, 0, -1):
         prev = _max_step(run)  # stale rows until the relaunch truncates them to its checkpoint
         if prev >= STEPS - 1:
@@ -112,11 +113,16 @@ def kill_and_resume_training(root: Path, cfg, kills: int, seed: int) -> None:
         step = _readable_checkpoints(run)
         print(f"killed after step {_max_step(run)}; last checkpoint {step}; mid-write {mid_write}")
         assert step >= last  # a relaunch continued from the last checkpoint, never from scratch
+        if (run / "summary.json").exists():  # the kill landed after this launch wrote its summary
+            started_from = last
         last = step
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_from"] == (last or None) and summary["steps"] == STEPS
+    # the summary is written by the launch that finished the run: usually the final relaunch
+    # (from the last checkpoint), or a killed one if the kill came after its summary write
+    expected = last if started_from is None else started_from
+    assert summary["resumed_from"] == (expected or None) and summary["steps"] == STEPS
     ref = root / "reference"
     assert _rows(run) == _rows(ref)  # losses, lr, valid losses: identical floats, each step once
     a, b = load_model(ref, "last")[0].state_dict(), load_model(run, "last")[0].state_dict()
