@@ -153,7 +153,9 @@ def table(
     run_opt: Optional[List[str]] = RUN_OPT,
     skip_missing: bool = typer.Option(False, help="only tabulate runs already on disk, train nothing"),
     plan: bool = typer.Option(False, help="print the measured and projected wall time, train nothing"),
-    threads: int = 1,
+    threads: int = typer.Option(1, help="torch threads per run (per worker with --workers)"),
+    workers: int = typer.Option(1, help="train missing runs in this many processes at once "
+                                "(e.g. the number of cores with --threads 1)"),
     progress: bool = True,
 ):
     """Thesis Table 6.1 in one command (resumable: finished runs are reused).
@@ -173,7 +175,8 @@ def table(
                    f"table {_hours(wt['projected_total_s'])}"
                    + (f" + {len(wt['unknown'])} runs with no estimate" if wt["unknown"] else ""))
         return
-    res = regular_table(out, tasks, models, seeds, progress, _per_model(run_opt), skip_missing, budget, **over)
+    res = regular_table(out, tasks, models, seeds, progress, _per_model(run_opt), skip_missing, budget,
+                        workers=workers, threads=threads, **over)
     typer.echo((Path(out) / "table.md").read_text())
     typer.echo(f"wrote {out}/table.md, table.json and plots/ ({len(res['tasks'])} tasks)")
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..io import UserError, atomic_write_json, atomic_write_text
 from .erf import erf_for_table, erf_markdown
+from .parallel import cpu_count, job_cost, run_jobs
 from .plots import plot_per_length
 from .tasks import BHATTACHARYA, DELETANG, make_task
 from .train import RegularRunConfig, evaluate_lengths, load_run, run
@@ -159,28 +162,40 @@ def _planned(tasks, models, seeds: int, budget: str, per_model: dict, overrides:
 
 def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bool = True,
                   per_model: dict | None = None, skip_missing: bool = False, budget: str = "quick",
-                  **overrides) -> dict:
+                  workers: int = 1, threads: int = 1, **overrides) -> dict:
     """Run (or reuse) every (task, model, seed) and write table.json, table.md and plots.
 
     ``budget``: a preset of ``BUDGETS`` ("quick" on a CPU, "thesis" = Table 6.5 sizes);
     ``overrides`` apply to every run on top of it (e.g. steps=2000); ``per_model`` =
     {column: {option: value}} to one model column only (e.g. {"transformer": {"test_stride": 5}}).
     ``skip_missing``: only tabulate runs already on disk (cells without runs show "—").
+    ``workers`` > 1: train the missing runs in that many spawned processes of ``threads`` torch
+    threads each (see ``parallel.py``); the table records this invocation's wall-clock time.
     """
+    t0 = time.perf_counter()
     per_model = per_model or {}
     out = Path(out_dir)
     tasks = _parse_list(tasks, DELETANG + BHATTACHARYA)
     models = _parse_list(models, DEFAULT_MODELS)
     if seeds < 1:
         raise UserError(f"seeds must be >= 1, got {seeds}")
+    if workers < 1 or threads < 1:
+        raise UserError(f"workers and threads must be >= 1, got {workers} and {threads}")
     cfgs = _planned(tasks, models, seeds, budget, per_model, overrides)
+    dirs = {k: out / "runs" / k[0] / k[1] / f"seed{k[2]}" for k in cfgs}
+    found = {k: ensure_run(cfg, dirs[k], progress=False, train=False) for k, cfg in cfgs.items()}
+    todo = {} if skip_missing else {k: (cfgs[k], dirs[k], job_cost(k[1], make_task(k[0]).family))
+                                    for k, r in found.items() if r is None}
+    found.update(run_jobs(todo, ensure_run, workers, threads, progress))
     rows = {}
-    for (t, m, s), cfg in cfgs.items():
-        res = ensure_run(cfg, out / "runs" / t / m / f"seed{s}", progress, train=not skip_missing)
-        if res is not None:
-            rows.setdefault(t, {}).setdefault(m, []).append(res)
+    for (t, m, s) in cfgs:
+        if found[(t, m, s)] is not None:
+            rows.setdefault(t, {}).setdefault(m, []).append(found[(t, m, s)])
     table = {"tasks": {}, "seeds": seeds, "budget": budget, "overrides": overrides, "per_model": per_model,
              "wall_time": wall_time(out, tasks, models, seeds, budget, per_model, **overrides)}
+    table["invocation"] = {"trained": len(todo), "reused": len(cfgs) - len(todo), "workers": workers,
+                           "threads": threads if workers > 1 else torch.get_num_threads(),
+                           "cpus": cpu_count(), "elapsed_s": None}
     for t in tasks:
         if t not in rows:
             continue
@@ -201,6 +216,7 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
         entry["_plots"] = plot_per_length(curves, out / "plots" / f"per_length_{t}",
                                           f"{t}: accuracy vs length (mean over the seeds run)", task.train_max)
     table["erf"] = erf_for_table(out, [t for t in tasks if t in rows], models)
+    table["invocation"]["elapsed_s"] = time.perf_counter() - t0  # training + tabulation, this call
     atomic_write_json(out / "table.json", table)
     atomic_write_text(out / "table.md", table_markdown(table, models) + erf_markdown(table["erf"], models))
     return table
@@ -312,6 +328,12 @@ def table_markdown(table: dict, models) -> str:
         for m, c in wt["per_column"].items():
             lines.append(f"| {m} | {c['done']} | {_hours(c['measured_s'])} | {c['missing']} | "
                          f"{_hours(c['estimated_s'])} |")
+    inv = table.get("invocation")
+    if inv and inv.get("elapsed_s") is not None:
+        lines += ["", f"This invocation: trained {inv['trained']} runs and reused {inv['reused']} in "
+                  f"**{_hours(inv['elapsed_s'])} wall-clock** ({inv['workers']} worker process"
+                  f"{'es' if inv['workers'] > 1 else ''} x {inv['threads']} torch thread"
+                  f"{'s' if inv['threads'] > 1 else ''}, {inv['cpus']} CPUs visible)."]
     return "\n".join(lines) + "\n"
 
 
