@@ -36,6 +36,8 @@ def test_a_failing_worker_run_raises_its_error_and_keeps_finished_runs(tmp_path)
     with pytest.raises(UserError, match="valid length"):  # d2 has even lengths only
         table_mod.regular_table(tmp_path, "parity,d2", "rnn", seeds=1, progress=False, workers=2,
                                 **{**TINY, "test_max": 60, "val_lengths": [13]})
+    assert (tmp_path / "runs/parity/rnn/seed0/result.json").is_file()  # ran beside the failing d2 run
+    assert not (tmp_path / "runs/d2/rnn/seed0/result.json").exists()
     with pytest.raises(UserError, match="workers"):
         table_mod.regular_table(tmp_path, "parity", "rnn", seeds=1, progress=False, workers=0, **TINY)
     r = CliRunner().invoke(app, ["table", "--out", str(tmp_path), "--tasks", "parity", "--models", "rnn",

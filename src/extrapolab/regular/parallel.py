@@ -42,7 +42,7 @@ def run_jobs(jobs: dict, fn, workers: int = 1, threads: int = 1, progress: bool 
     ``workers`` spawned processes take the jobs longest-first; a failing run stops the pool
     (queued runs are cancelled, finished ones stay on disk) and its error is raised here.
     """
-    if workers <= 1 or len(jobs) <= 1:
+    if workers <= 1 or not jobs:  # one job with workers > 1 still gets its own `threads`
         return {k: fn(cfg, run_dir, progress, True) for k, (cfg, run_dir, _) in jobs.items()}
     order = sorted(jobs, key=lambda k: -jobs[k][2])
     out: dict = {}
