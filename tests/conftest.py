@@ -18,10 +18,20 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _restore_scheme_registry():
-    """Tests may register user callables (S16); none leaks into the next test."""
+    """Tests may register user callables; none leaks into the next test."""
     from extrapolab.positional import REGISTRY
 
     before = dict(REGISTRY)
     yield
     REGISTRY.clear()
     REGISTRY.update(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped (with the reason) where none is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -9,8 +9,8 @@ from extrapolab.cli import align as C
 from extrapolab.cli.main import app as main_app
 from extrapolab.config import resolve
 from extrapolab.data import TokenData
-from extrapolab.eval.align import load_temperature
-from extrapolab.eval.retrieval import retrieval_stream
+from extrapolab.align.algorithm import load_temperature
+from extrapolab.align.retrieval import retrieval_stream
 from extrapolab.train import train
 
 

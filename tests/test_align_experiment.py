@@ -7,9 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from extrapolab.cli.main import app
-from extrapolab.eval.align import GRID, load_temperature
+from extrapolab.align.algorithm import GRID, load_temperature
 from extrapolab.io import UserError
-from extrapolab.report.align_report import load_align_preset, run_align_experiment
+from extrapolab.align.experiment import load_align_preset, run_align_experiment
 
 RULES = ["none", "pmax", "entropy", "length", "prop51", "prop52"]
 

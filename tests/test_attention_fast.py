@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from extrapolab import positional
-from extrapolab.eval.bench import PeakRSS
+from extrapolab.perf.bench import PeakRSS
 from extrapolab.model import attention as A
 from extrapolab.model.attention import AttnOptions, DistanceBias, attend
 from extrapolab.model.gpt import GPT, KVCache, ModelConfig

@@ -51,7 +51,7 @@ from extrapolab.io import UserError, run_lock
 from extrapolab.model.attention import AttnOptions
 from extrapolab.positional import SchemeError, build
 from extrapolab.report.db import ResultsDB
-from extrapolab.report.sweep import _run_job, run_sweep
+from extrapolab.sweep.sweep import _run_job, run_sweep
 from extrapolab.train import load_checkpoint, load_model, train
 from extrapolab.train.checkpoint import MANIFEST, _sha256
 

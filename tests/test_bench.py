@@ -1,10 +1,10 @@
-"""E8 benchmark (extrapolab.eval.bench): structure, same-run NoPE ratios, memory sampling, errors."""
+"""E8 benchmark (extrapolab.perf.bench): structure, same-run NoPE ratios, memory sampling, errors."""
 import json
 
 import pytest
 import torch
 
-from extrapolab.eval.bench import PeakRSS, _round_robin, format_table, run_bench
+from extrapolab.perf.bench import PeakRSS, _round_robin, format_table, run_bench
 from extrapolab.io import UserError
 from extrapolab.model.gpt import ModelConfig
 

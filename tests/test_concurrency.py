@@ -31,7 +31,7 @@ from extrapolab.data import prepare
 from extrapolab.data.build import clean_stale_tmp
 from extrapolab.io import LockBusy, is_locked, run_lock, run_lock_path
 from extrapolab.report.db import ResultsDB
-from extrapolab.report.sweep import run_sweep
+from extrapolab.sweep.sweep import run_sweep
 
 WRITERS, RUNS = 3, 40
 LENGTHS = (8, 16, 32)

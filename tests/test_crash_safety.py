@@ -25,7 +25,7 @@ import yaml
 
 from extrapolab import config as C
 from extrapolab.data import prepare
-from extrapolab.report.sweep import run_sweep
+from extrapolab.sweep.sweep import run_sweep
 from extrapolab.train import load_checkpoint, load_model, train
 from extrapolab.train.checkpoint import checkpoint_path
 from extrapolab.train.records import read_rows

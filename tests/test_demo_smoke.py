@@ -4,7 +4,7 @@ import sqlite3
 import pytest
 
 from extrapolab.io import UserError
-from extrapolab.report.sweep import rebuild_report, run_sweep
+from extrapolab.sweep.sweep import rebuild_report, run_sweep
 
 
 @pytest.fixture(scope="module")

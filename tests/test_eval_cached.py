@@ -6,7 +6,7 @@ import torch
 from extrapolab.eval import (cached_window_ppl, compare_cached, generate, nonoverlapping,
                              recomputed_window_ppl)
 from extrapolab.eval.cached import recomputed_windows
-from extrapolab.eval.fakes import Bigram
+from fakes import Bigram
 from extrapolab.io import UserError
 from extrapolab.model.gpt import GPT, KVCache, ModelConfig
 

@@ -7,7 +7,7 @@ import torch
 
 from extrapolab.config import EvalConfig
 from extrapolab.eval import PROTOCOLS, evaluate, evaluate_config, last_token, nonoverlapping
-from extrapolab.eval.fakes import Bigram
+from fakes import Bigram
 from extrapolab.io import UserError
 from extrapolab.model.gpt import GPT, ModelConfig
 

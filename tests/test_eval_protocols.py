@@ -7,7 +7,7 @@ import torch
 
 from extrapolab.eval import (last_token, last_token_ends, nonoverlapping, positionwise,
                              positionwise_with_reference, sliding, sliding_windows)
-from extrapolab.eval.fakes import Bigram, ContextProbe, OOMOnBatch
+from fakes import Bigram, ContextProbe, OOMOnBatch
 from extrapolab.io import UserError
 from extrapolab.model.gpt import GPT, ModelConfig
 

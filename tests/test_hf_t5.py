@@ -7,8 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from extrapolab.eval import align as A  # noqa: E402
-from extrapolab.eval import hf_t5 as H  # noqa: E402
+import extrapolab.align as A  # noqa: E402
+from extrapolab.align import hf_t5 as H  # noqa: E402
 from extrapolab.io import UserError  # noqa: E402
 
 HEADS, DKV, LE, LD = 4, 8, 12, 5

@@ -1,4 +1,5 @@
 """T2 retrieval tasks: reproducible generation, recoverable answers, exact-match scoring."""
+from pathlib import Path
 import re
 
 import numpy as np
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from extrapolab.data.tokenizer import BPECodec, BytesCodec, train_bpe
-from extrapolab.eval import retrieval as R
+from extrapolab.align import retrieval as R
 from extrapolab.io import UserError
 from extrapolab.model.gpt import GPT, ModelConfig
 
@@ -111,4 +112,4 @@ def test_scoring_oracle_is_perfect_and_random_model_fails(kind, tmp_path):
     table = R.retrieval_table(recs + R.evaluate(Oracle(ex, 257), ex, {"oracle": None}))
     assert "| oracle | 100 | 100 | 100 |" in table and "| none | 0 | 0 | 0 |" in table
     for p in R.plot_heatmap(recs, tmp_path / "heat"):
-        assert p.stat().st_size > 1000
+        assert Path(p).stat().st_size > 1000

@@ -17,7 +17,7 @@ import yaml
 from .io import UserError
 from .model.gpt import ModelConfig
 
-#: the evaluation protocols of SPEC §3 (E1-E5) by their config names (eval.protocols)
+#: the evaluation protocols of docs/protocols.md (E1-E5) by their config names (eval.protocols)
 PROTOCOLS = ("nonoverlapping", "sliding", "last_token", "positionwise", "cached", "recomputed")
 
 
@@ -72,6 +72,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch.set_num_threads; 0 = leave default
     compile: bool = False
+    flush_denormals: bool = True  # FTZ/DAZ for this process's training (model.attention.flush_denormals)
     strategy: str = "ddp"  # ddp | fsdp: how torchrun processes share the model (DDP replicates, FSDP shards)
 
 

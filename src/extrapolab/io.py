@@ -36,15 +36,16 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, path)
-        _fsync_dir(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a folder (a folder after a rename in it); errors are ignored."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:

@@ -1,4 +1,4 @@
-"""Analysis stage (SPEC §4): why a positional scheme extrapolates or breaks.
+"""Analysis stage (docs/protocols.md, A1-A5): why a positional scheme extrapolates or breaks.
 
 A1 ``erf``        cumulative normalized gradient and ERF (Sandwich paper §5.1), Qin's attention ERF
 A2 ``theory``     convergence of sum exp(bias) and the TRF n_the(eps) (Qin et al. 2024, Thm. 0.4, eq. 22)

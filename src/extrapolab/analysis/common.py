@@ -121,12 +121,6 @@ def as_segments(segments) -> torch.Tensor:
     return seg.long()
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 # ---- JSON ------------------------------------------------------------------------------------
 def jsonable(obj):
     """Convert numpy/torch scalars and arrays, and non-finite floats, into plain JSON values."""

@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from scipy import stats
 from torch import nn
 
+from ..eval.core import model_device
 from ..io import UserError
 from ..model.attention import AttnOptions
 from ..model.gpt import GPT, ModelConfig
 from .attn import attention_rows, capture_qkv, recording
-from .common import as_segments, model_device, new_figure, save_figure
+from .common import as_segments, new_figure, save_figure
 
 
 def random_tlm(dim: int = 768, heads: int = 12, layers: int = 1, sigma: float = 0.02, length: int = 512,

@@ -19,10 +19,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..eval.core import model_device
 from ..io import UserError
 from ..model.attention import AttnOptions
 from .attn import attention_rows, capture_qkv, iter_row_blocks
-from .common import as_segments, model_device, new_figure, save_figure
+from .common import as_segments, new_figure, save_figure
 
 
 def sharpness_from_probs(p: torch.Tensor) -> tuple[float, float, int]:

@@ -80,7 +80,7 @@ def align_cmd(run_dir: Path, lengths: Sequence[int] | None = None, modes: Sequen
               seed: int = 0, device: str = "cpu", say=print, data=None) -> dict:
     """Algorithm 1 on a trained run; writes RUN/temperature.json and RUN/temperature.{png,svg}.
     ``data``: a TokenData to use instead of re-preparing the run's corpus."""
-    from ..eval.align import align, align_table, plot_temperature_curves, save_temperature
+    from ..align import align, align_table, plot_temperature_curves, save_temperature
 
     run_dir = Path(run_dir)
     model, cfg, data = _run(run_dir, which, device, data)
@@ -101,8 +101,8 @@ def retrieval_cmd(run_dir: Path, task: str = "passkey", lengths: Sequence[int] |
                   data=None) -> dict:
     """Exact-match retrieval accuracy per length x depth for each temperature rule (from
     RUN/temperature.json); writes RUN/retrieval-<task>.json and the heat map .png/.svg."""
-    from ..eval.align import canonical_rule, load_temperature
-    from ..eval.retrieval import evaluate, make_examples, plot_heatmap, retrieval_table
+    from ..align import canonical_rule, load_temperature
+    from ..align.retrieval import evaluate, make_examples, plot_heatmap, retrieval_table
     from ..io import atomic_write_json
 
     run_dir = Path(run_dir)
@@ -128,8 +128,8 @@ def retrieval_cmd(run_dir: Path, task: str = "passkey", lengths: Sequence[int] |
 def hf_t5_cmd(model_dir: Path, text: Path, train_length: int, lengths: Sequence[int], out: Path,
               modes: Sequence[str] = ("pmax", "entropy"), segments: int = 2, seed: int = 0, say=print) -> dict:
     """Algorithm 1 on a local Hugging Face T5 encoder, tokenizing ``text`` with the folder's tokenizer."""
-    from ..eval.align import align, align_table, plot_temperature_curves, save_temperature
-    from ..eval.hf_t5 import load_t5
+    from ..align import align, align_table, plot_temperature_curves, save_temperature
+    from ..align.hf_t5 import load_t5
     from ..io import UserError
 
     model = load_t5(model_dir)
@@ -215,7 +215,7 @@ def experiment(
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set align.n=4 (repeatable)"),
 ):
     """Train on corpus + retrieval docs, align, measure ppl and retrieval per rule, write report.html (resumable)."""
-    from ..report.align_report import run_align_experiment
+    from ..align.experiment import run_align_experiment
 
     res = run_align_experiment(preset, out=out, overrides=set_)
     typer.echo((res["out"] / "summary.md").read_text())

@@ -1,4 +1,4 @@
-"""`extrapolab analyze <what>`: thin wrappers over ``extrapolab.analysis`` (SPEC §4, A1-A5)."""
+"""`extrapolab analyze <what>`: thin wrappers over ``extrapolab.analysis`` (docs/protocols.md, A1-A5)."""
 from __future__ import annotations
 
 import json

@@ -13,6 +13,9 @@ from typing import List, Optional
 
 import typer
 
+from . import align as align_cli
+from . import analyze as analyze_cli
+from . import regular as regular_cli
 from .common import friendly
 
 app = typer.Typer(
@@ -21,6 +24,15 @@ app = typer.Typer(
     help="Train transformer LMs short, test them long, and see why positional schemes extrapolate or break.",
     pretty_exceptions_enable=False,
 )
+
+@app.callback()
+def _startup() -> None:
+    """Process-wide settings for this CLI process only (importing extrapolab changes nothing)."""
+    if os.environ.get("EXTRAPOLAB_DENORMALS", "flush").lower() != "keep":
+        from ..model.attention import flush_denormals
+
+        flush_denormals(True)
+
 
 SetOpt = typer.Option(None, "--set", help="override a config value, e.g. --set train.steps=100 (repeatable)")
 
@@ -84,7 +96,7 @@ def eval_(
     which: str = typer.Option("best", "--checkpoint", help="best|last"),
 ):
     """Evaluate a trained run with the protocols E1-E6; writes <run>/eval.json."""
-    from ..report.runs import eval_run
+    from ..sweep.runs import eval_run
 
     result = eval_run(run, protocols=protocol, lengths=lengths, temperature=temperature, overrides=set_, which=which)
     typer.echo(result["markdown"])
@@ -99,7 +111,7 @@ def sweep(
     set_: Optional[List[str]] = SetOpt,
 ):
     """Train and evaluate a grid of schemes x seeds x datasets (resumable), then write the report."""
-    from ..report.sweep import run_sweep
+    from ..sweep.sweep import run_sweep
 
     res = run_sweep(config_file, out=out, overrides=set_)
     typer.echo(f"report: {res['report']}")
@@ -113,7 +125,7 @@ def demo(
     set_: Optional[List[str]] = SetOpt,
 ):
     """The main job: train a set of schemes on the embedded code corpus, test long, write the report."""
-    from ..report.sweep import run_sweep
+    from ..sweep.sweep import run_sweep
 
     res = run_sweep(f"demo-{preset}" if not preset.endswith((".yaml", ".yml")) else preset, out=out, overrides=set_)
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
@@ -125,7 +137,7 @@ def report(
     sweep_dir: Path = typer.Argument(..., help="sweep folder holding results.sqlite"),
 ):
     """Regenerate tables, plots and report.html from a sweep's stored results (no training)."""
-    from ..report.sweep import rebuild_report
+    from ..sweep.sweep import rebuild_report
 
     typer.echo(f"report: {rebuild_report(sweep_dir)}")
 
@@ -138,7 +150,7 @@ def bench(
     out: Path = typer.Option(Path("reports/bench.json"), "--out", help="JSON output"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA measured in the same run (E8)."""
-    from ..eval.bench import format_table, run_bench
+    from ..perf.bench import format_table, run_bench
 
     kwargs = {"out_json": out, "quick": quick}
     if schemes_:
@@ -147,18 +159,10 @@ def bench(
     typer.echo(format_table(res))
 
 
-def _mount_subapps() -> None:
-    for mod, name, help_ in (
-        ("analyze", "analyze", "analysis tools: erf, trf, bias, nope-variance, sharpness, all"),
-        ("regular", "regular", "RegularGPT and the regular-language benchmark"),
-        ("align", "align", "`align RUN`: softmax-temperature alignment (thesis Algorithm 1); "
-                           "verbs retrieval, hf-t5, experiment"),
-    ):
-        sub = __import__(f"extrapolab.cli.{mod}", fromlist=["app"]).app
-        app.add_typer(sub, name=name, help=help_)
-
-
-_mount_subapps()
+app.add_typer(analyze_cli.app, name="analyze", help="analysis tools: erf, trf, bias, nope-variance, sharpness, all")
+app.add_typer(regular_cli.app, name="regular", help="RegularGPT and the regular-language benchmark")
+app.add_typer(align_cli.app, name="align", help="`align RUN`: softmax-temperature alignment (thesis Algorithm 1); "
+                                              "verbs retrieval, hf-t5, experiment")
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -10,7 +10,7 @@ Specs accepted by :func:`read_corpus` (``data.corpus``):
 
 The manifest lists (path, sha256, bytes) for every document actually used; the corpus hash is
 the sha256 of that listing, so a run records exactly what it trained on. Documents go to
-train/valid/test by the first 8 hex digits of sha256(relative path) mod 100 (SPEC §7).
+train/valid/test by the first 8 hex digits of sha256(relative path) mod 100 (docs/architecture.md, "Data").
 """
 from __future__ import annotations
 

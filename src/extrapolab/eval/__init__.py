@@ -1,4 +1,4 @@
-"""Test long: evaluation protocols E1-E7 (SPEC §3).
+"""Test long: evaluation protocols E1-E7 (docs/protocols.md).
 
 E1 :func:`nonoverlapping`, E2 :func:`sliding` (ALiBi §2.1, appendix B); E3 :func:`last_token`
 (Sandwich §3.4); E4 :func:`positionwise` (thesis §3.5.5); E5 :func:`cached_window_ppl`,

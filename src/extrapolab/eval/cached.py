@@ -35,7 +35,7 @@ from ..model.attention import AttnOptions
 from ..model.gpt import KVCache
 from .core import (Scores, as_tokens, check_length, evaluating, model_device, resolve_opts,
                    rows_per_batch, run_with_fallback, score_windows)
-from .perplexity import _result, _too_short
+from .perplexity import _result, chunk_starts
 
 
 def num_layers(model: nn.Module) -> int:
@@ -51,15 +51,6 @@ def num_layers(model: nn.Module) -> int:
 
 def _logits(out):
     return out["logits"] if isinstance(out, dict) else out
-
-
-def _chunks(n_tokens: int, length: int, max_tokens: int, what: str) -> np.ndarray:
-    n_chunks = (n_tokens - 1) // length
-    if n_chunks < 1:
-        raise _too_short(n_tokens, length + 1, f"{what} at length {length}")
-    if max_tokens > 0:
-        n_chunks = min(n_chunks, max(1, int(max_tokens) // length))
-    return np.arange(n_chunks, dtype=np.int64) * length
 
 
 def _cached_rows(model, x, window, opts, dev) -> torch.Tensor:
@@ -89,7 +80,7 @@ def cached_window_ppl(
     """E5 ppl of L-token subsequences decoded with a w̄-token KV cache -> {ppl, nll, tokens, ...}."""
     tok = as_tokens(tokens)
     L, w = check_length(length), check_length(window, "cache window")
-    starts = _chunks(len(tok), L, max_tokens, "cached evaluation")
+    starts = chunk_starts(len(tok), L, max_tokens, "cached evaluation")
     opts, dev = resolve_opts(opts), model_device(model)
     rows = rows_per_batch(model, min(w, L), batch_size)
     scores, t0 = Scores(), time.perf_counter()
@@ -130,7 +121,7 @@ def recomputed_window_ppl(
     """Same subsequences as :func:`cached_window_ppl`; each prediction re-encodes its last w̄ tokens."""
     tok = as_tokens(tokens)
     L = check_length(length)
-    starts = _chunks(len(tok), L, max_tokens, "recomputed-window evaluation")
+    starts = chunk_starts(len(tok), L, max_tokens, "recomputed-window evaluation")
     offsets, score_from, w = recomputed_windows(L, window)
     all_starts = (starts[:, None] + offsets[None]).reshape(-1)  # [chunks * windows]
     all_from = np.tile(score_from, len(starts))

@@ -1,4 +1,4 @@
-"""Run the requested evaluation protocols (E1-E6, SPEC §3) and return one JSON-able dict.
+"""Run the requested evaluation protocols (E1-E6, docs/protocols.md) and return one JSON-able dict.
 
 Protocols: ``nonoverlapping`` (E1), ``sliding`` (E2), ``last_token`` (E3), ``positionwise`` (E4,
 with its windowed@L_tr reference), ``cached`` and ``recomputed`` (E5). The verdict (E6, Qin def.

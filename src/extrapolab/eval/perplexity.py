@@ -1,4 +1,4 @@
-"""Perplexity protocols E1-E3 (SPEC §3).
+"""Perplexity protocols E1-E3 (docs/protocols.md).
 
 E1 ``nonoverlapping`` — ALiBi (Press et al., 2022) §2.1 "Nonoverlapping Inference": the stream
    is cut into L-length subsequences evaluated independently. Convention used here: the k-th
@@ -46,6 +46,17 @@ def _too_short(n_tokens: int, need: int, what: str) -> UserError:
                      "use a larger test split or shorter lengths")
 
 
+def chunk_starts(n_tokens: int, length: int, max_tokens: int, what: str) -> np.ndarray:
+    """Starts of the consecutive ``length``-token chunks of a stream of ``n_tokens`` (each needs one
+    more token as its last target); ``max_tokens`` > 0 keeps the first max(1, max_tokens // length)."""
+    n_chunks = (n_tokens - 1) // length
+    if n_chunks < 1:
+        raise _too_short(n_tokens, length + 1, f"{what} at length {length}")
+    if max_tokens > 0:
+        n_chunks = min(n_chunks, max(1, int(max_tokens) // length))
+    return np.arange(n_chunks, dtype=np.int64) * length
+
+
 def nonoverlapping(
     model: nn.Module,
     tokens,
@@ -62,12 +73,7 @@ def nonoverlapping(
     """
     tok = as_tokens(tokens)
     L = check_length(length)
-    n_chunks = (len(tok) - 1) // L
-    if n_chunks < 1:
-        raise _too_short(len(tok), L + 1, f"nonoverlapping evaluation at length {L}")
-    if max_tokens > 0:
-        n_chunks = min(n_chunks, max(1, int(max_tokens) // L))
-    starts = np.arange(n_chunks, dtype=np.int64) * L
+    starts = chunk_starts(len(tok), L, max_tokens, "nonoverlapping evaluation")
     s = score_windows(model, tok, starts, L, 0, batch_size=batch_size, opts=opts,
                       progress=progress, desc=f"nonoverlapping L={L}")
     return _result(s, L)

@@ -1,4 +1,4 @@
-"""Causal attention with any positional scheme, applied in one place (SPEC §1, §6 "Fast", §7).
+"""Causal attention with any positional scheme, applied in one place (docs/architecture.md, "Attention paths").
 
 Order, for every path: rotate q,k -> scale by 1/sqrt(d_head) -> (KERPLE wht kernels multiply
 q·k) -> add the scheme's bias -> causal/window mask -> temperature -> softmax.
@@ -20,7 +20,6 @@ distance tables) lives in :mod:`.toeplitz`; its names are re-exported here.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,17 +47,14 @@ BiasFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 def flush_denormals(enable: bool = True) -> bool:
     """Flush subnormal floats to zero (FTZ/DAZ) on this thread and on threads it creates later.
 
-    Linear biases such as ALiBi's reach -100 and below, so exp() in the softmax returns subnormal
-    numbers for part of every row, which the CPU handles far slower (ALiBi attention fwd+bwd at
-    L = 512: 66 ms vs 43 ms flushed; train step 1.29x -> 1.04x NoPE). Flushing changes results by < 1.2e-38
-    per probability. Called at import (before torch starts its OpenMP threads, which inherit the
-    mode); set ``EXTRAPOLAB_DENORMALS=keep`` to opt out.
+    Linear biases such as ALiBi's reach -100 and below, so exp() in a softmax can return subnormal
+    numbers, which some CPUs handle far slower; flushing changes each probability by < 1.2e-38.
+    Importing extrapolab never calls this: the CLI calls it at start-up (``EXTRAPOLAB_DENORMALS=keep``
+    opts out) and the trainer when ``train.flush_denormals`` is true. Call it before torch starts
+    its OpenMP threads, which inherit the mode. ``extrapolab bench`` measures its effect (the
+    ``denormals`` rows). Returns whether the CPU supports it.
     """
     return bool(torch.set_flush_denormal(enable))
-
-
-if os.environ.get("EXTRAPOLAB_DENORMALS", "flush").lower() != "keep":
-    flush_denormals(True)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""GPT-style causal LM: pre-LN decoder, weight tying, any positional scheme (SPEC §2).
+"""GPT-style causal LM: pre-LN decoder, weight tying, any positional scheme (docs/architecture.md).
 
 Positions are explicit inputs; the model has no maximum length except learned APE, whose
 ``check_length`` refuses longer inputs with a one-line error. One scheme instance is shared by

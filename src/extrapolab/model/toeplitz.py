@@ -1,4 +1,4 @@
-"""Toeplitz fast path of :func:`.attention.attend` (SPEC §6 "Fast", §7).
+"""Toeplitz fast path of :func:`.attention.attend` (docs/architecture.md, "Attention paths").
 
 Applies to relative schemes at contiguous positions (multiplicative kernels too, see below): with the
 queries in reverse order the bias b(m - n) depends on (row + column) only, so the 4-D mask is a

@@ -1,4 +1,4 @@
-"""S6 ALiBi (Press et al. 2022, eq. in §3; Sandwich paper eq. 3, §4.1-4.2).
+"""ALiBi (Press et al. 2022, eq. in §3; Sandwich paper eq. 3, §4.1-4.2).
 
 bias = -slope_h · k. Default slopes follow the official ALiBi code: a geometric series
 2^(-8/n)·(2^(-8/n))^i for a power of two n; for other n, the closest power of two c gives the
@@ -32,7 +32,7 @@ def official_alibi_slopes(n: int) -> list[float]:
 @register
 class ALiBi(RelativeBias):
     name = "alibi"
-    paper = "S6; Press et al. 2022 §3; Sandwich paper eq. 3, §4.1 (shift Δ), §4.2 (equal slopes)"
+    paper = "Press et al. 2022 §3; Sandwich paper eq. 3, §4.1 (shift Δ), §4.2 (equal slopes)"
     summary = "linear bias -slope_h·k, official geometric slopes; shift Δ / equal-exponent options"
 
     def __init__(self, num_heads: int, shift: float = 0.0, equal_exponent: float | None = None) -> None:

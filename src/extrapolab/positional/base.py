@@ -1,4 +1,4 @@
-"""The one interface every positional scheme implements (SPEC §1).
+"""The one interface every positional scheme implements (docs/architecture.md).
 
 A scheme is an ``nn.Module`` with three hooks, each a no-op by default:
 

@@ -1,4 +1,4 @@
-"""S16 user-defined relative schemes from a Python callable (SPEC §1 row S16).
+"""user-defined relative schemes from a Python callable (docs/architecture.md, "Positional schemes").
 
 ``form="bias"``: ``fn(k)`` is the additive bias on the scaled logits for distances k = m - n >= 0.
 ``form="b"``:    ``fn(k)`` is b(k) > 0 and the bias is log b(k) (Qin et al. 2024, eq. 7:
@@ -123,7 +123,7 @@ def make_callable_scheme(
 
     UserScheme.__name__ = UserScheme.__qualname__ = f"UserScheme[{name}]"
     UserScheme.name = name
-    UserScheme.paper = f"S16; user-defined relative scheme from {what} ({eq})"
+    UserScheme.paper = f"user-defined relative scheme from {what} ({eq})"
     UserScheme.summary = summary or (doc[0] if doc else f"user-defined {form}(k) from {what}")
     UserScheme.form = form
     UserScheme.per_head = bool(per_head)
@@ -163,11 +163,7 @@ def _import_target(spec: str, target: str):
 
 
 def load_spec(spec: str) -> type[RelativeBias]:
-    """Import the callable named by ``spec``, build its scheme class and register it as ``spec``."""
-    from .registry import REGISTRY, register
-
-    if spec in REGISTRY:
-        return REGISTRY[spec]
+    """Import the callable named by ``spec`` and build its scheme class (the registry registers it)."""
     form, rest = spec.split(":", 1)
     target, _, func = rest.rpartition(":")
     if not target or not func:
@@ -189,5 +185,5 @@ def load_spec(spec: str) -> type[RelativeBias]:
         per_head = len(positional) >= 2
     except (TypeError, ValueError):
         per_head = False
-    return register(make_callable_scheme(spec, fn, form=form, per_head=per_head,
-                                         summary=f"user {form}(k) from {target}:{func}"))
+    return make_callable_scheme(spec, fn, form=form, per_head=per_head,
+                                summary=f"user {form}(k) from {target}:{func}")

@@ -1,4 +1,4 @@
-"""S8-S10 KERPLE kernels (Chi et al. 2022; thesis §3.4, §3.5.3).
+"""KERPLE kernels (Chi et al. 2022; thesis §3.4, §3.5.3).
 
 All parameters are per head and shared by every layer (one module per model, as in the
 official code). Positivity is enforced the official way: every forward clamps r >= eps = 0.01
@@ -87,7 +87,7 @@ class _Kerple(RelativeBias):
 @register
 class KerpleLog(_Kerple):
     name = "kerple-log"
-    paper = "S8; thesis §3.4 (logarithmic variant), Chi et al. 2022"
+    paper = "thesis §3.4 (logarithmic variant), Chi et al. 2022"
     summary = "-r1·log(1 + r2·k), r1, r2 > 0 learned per head"
     PARAMS = {"r1": (2.0, False), "r2": (1.0, False)}
 
@@ -99,7 +99,7 @@ class KerpleLog(_Kerple):
 @register
 class KerplePower(_Kerple):
     name = "kerple-power"
-    paper = "S9; thesis §3.4 (power variant), Chi et al. 2022"
+    paper = "thesis §3.4 (power variant), Chi et al. 2022"
     summary = "-r1·k^r2, r1 > 0, 0 < r2 <= 2 learned per head"
     PARAMS = {"r1": (1.0, False), "r2": (2.0, True)}
 
@@ -111,7 +111,7 @@ class KerplePower(_Kerple):
 @register
 class Kerple3ParaLog(_Kerple):
     name = "kerple-3para-log"
-    paper = "S10; thesis §3.5.3 (3-para-log)"
+    paper = "thesis §3.5.3 (3-para-log)"
     summary = "-r1·log(1 + r2·k^r3), r1, r2 > 0, 0 < r3 <= 2"
     PARAMS = {"r1": (2.0, False), "r2": (1.0, False), "r3": (2.0, True)}
 
@@ -125,7 +125,7 @@ class Kerple3ParaLog(_Kerple):
 class KerpleBiasWht(_Kerple):
     name = "kerple-bias-wht"
     has_weight = True
-    paper = "S10; thesis §3.5.3 (bias+wht)"
+    paper = "thesis §3.5.3 (bias+wht)"
     summary = "q·k·exp(-r3·k^r4) - r1·k^r2 (weight and bias kernels)"
     PARAMS = {"r1": (1.0, False), "r2": (2.0, True), "r3": (1.0, False), "r4": (2.0, True)}
 

@@ -1,4 +1,4 @@
-"""S10 KERPLE Gaussian-like kernels (thesis §3.7.3, Table 3.6; Fact 3.5 for the power limit).
+"""KERPLE Gaussian-like kernels (thesis §3.7.3, Table 3.6; Fact 3.5 for the power limit).
 
 Composite kernels plugged into the KERPLE framework (thesis eq. 3.2), parameters per head and
 shared by every layer. Positivity and the power limit follow the official KERPLE code (see
@@ -32,7 +32,7 @@ def _gauss(k: torch.Tensor, scale: torch.Tensor, power: torch.Tensor | None) -> 
 @register
 class KerpleGauss2ParaBias(_Kerple):
     name = "kerple-gauss-2para-bias"
-    paper = "S10; thesis §3.7.3 (2-para-bias): q·k + r1·exp(-r2·|m-n|^2)"
+    paper = "thesis §3.7.3 (2-para-bias): q·k + r1·exp(-r2·|m-n|^2)"
     summary = "Gaussian bias r1·exp(-r2·k^2), r1, r2 > 0 learned per head"
     PARAMS = {"r1": (1.0, False), "r2": (1.0, False)}
 
@@ -44,7 +44,7 @@ class KerpleGauss2ParaBias(_Kerple):
 @register
 class KerpleGauss3ParaBias(_Kerple):
     name = "kerple-gauss-3para-bias"
-    paper = "S10; thesis §3.7.3 (3-para-bias): q·k + r1·exp(-r2·|m-n|^r3)"
+    paper = "thesis §3.7.3 (3-para-bias): q·k + r1·exp(-r2·|m-n|^r3)"
     summary = "Gaussian-like bias r1·exp(-r2·k^r3), r1, r2 > 0, 0 < r3 <= 2"
     PARAMS = {"r1": (1.0, False), "r2": (1.0, False), "r3": (2.0, True)}
 
@@ -67,7 +67,7 @@ class _GaussWeight(_Kerple):
 @register
 class KerpleGauss1ParaWht(_GaussWeight):
     name = "kerple-gauss-1para-wht"
-    paper = "S10; thesis §3.7.3 (1-para-wht): q·k · exp(-r1·|m-n|^2)"
+    paper = "thesis §3.7.3 (1-para-wht): q·k · exp(-r1·|m-n|^2)"
     summary = "Gaussian weight on q·k: exp(-r1·k^2), r1 > 0 learned per head"
     PARAMS = {"r1": (1.0, False)}
 
@@ -79,7 +79,7 @@ class KerpleGauss1ParaWht(_GaussWeight):
 @register
 class KerpleGauss2ParaWht(_GaussWeight):
     name = "kerple-gauss-2para-wht"
-    paper = "S10; thesis §3.7.3 (2-para-wht): q·k · exp(-r1·|m-n|^r2)"
+    paper = "thesis §3.7.3 (2-para-wht): q·k · exp(-r1·|m-n|^r2)"
     summary = "Gaussian-like weight on q·k: exp(-r1·k^r2), r1 > 0, 0 < r2 <= 2"
     PARAMS = {"r1": (1.0, False), "r2": (2.0, True)}
 

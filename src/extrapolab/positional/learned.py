@@ -1,4 +1,4 @@
-"""S3 learned APE: one trained row per position up to L_tr (ALiBi §2.2, footnote 4).
+"""learned APE: one trained row per position up to L_tr (ALiBi §2.2, footnote 4).
 
 It has no embedding beyond its table, so it refuses longer inputs with a clear error instead of
 silently wrapping or extrapolating.
@@ -17,7 +17,7 @@ class LearnedAPE(PositionalScheme):
     name = "learned"
     kind = "absolute"
     relative = False
-    paper = "S3; ALiBi §2.2 footnote 4 (no way to encode positions >= L)"
+    paper = "ALiBi §2.2 footnote 4 (no way to encode positions >= L)"
     summary = "trained absolute embedding table of max_length rows; refuses longer inputs"
 
     def __init__(self, num_heads: int, max_length: int = 512, dim: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""S1 NoPE: no positional information at all (thesis ch. 2; Sandwich paper §2.2)."""
+"""NoPE: no positional information at all (thesis ch. 2; Sandwich paper §2.2)."""
 from __future__ import annotations
 
 from .base import PositionalScheme
@@ -9,5 +9,5 @@ from .registry import register
 class NoPE(PositionalScheme):
     name = "none"
     kind = "none"
-    paper = "S1; thesis ch.2 (NoPE: position from causal-attention variance, Lemma 2.3)"
+    paper = "thesis ch.2 (NoPE: position from causal-attention variance, Lemma 2.3)"
     summary = "no positional encoding"

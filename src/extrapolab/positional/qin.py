@@ -1,4 +1,4 @@
-"""S13/S14 Qin et al. 2024, "Exploring Transformer Extrapolation" (AAAI): RPEs defined by
+"""Qin et al. 2024, "Exploring Transformer Extrapolation" (AAAI): RPEs defined by
 b(k) = exp(RPE(k)), i.e. bias(k) = log b(k), added to the scaled logits (their eq. 7:
 exp(q·k/sqrt(d))·exp(r_ij)). Theorem 0.4 (eq. 19): the model extrapolates if sum_{t>=0} b_t < inf.
 
@@ -65,7 +65,7 @@ class _QinBias(RelativeBias):
 @register
 class QinType1(_QinBias):
     name = "qin-type1"
-    paper = "S13; Qin et al. 2024 'Two New RPEs' Type1: b_n = 1/n^2 = exp(-2 ln n), eq. 29, n = k+1"
+    paper = "Qin et al. 2024 'Two New RPEs' Type1: b_n = 1/n^2 = exp(-2 ln n), eq. 29, n = k+1"
     summary = "bias = log b(k), b = 1/(k+1)^2: convergent p-series (p = 2)"
     series, series_p, converges, series_sum = "p-series", 2.0, True, math.pi**2 / 6
 
@@ -77,7 +77,7 @@ class QinType1(_QinBias):
 @register
 class QinType2(_QinBias):
     name = "qin-type2"
-    paper = "S13; Qin et al. 2024 'Two New RPEs' Type2: b_n = exp(-ln^2 n), n = k+1"
+    paper = "Qin et al. 2024 'Two New RPEs' Type2: b_n = exp(-ln^2 n), n = k+1"
     summary = "bias = log b(k) = -ln^2(k+1): convergent, smaller TRF than Type1"
     series, series_p, converges, series_sum = "exp-log-squared", None, True, None
 
@@ -89,7 +89,7 @@ class QinType2(_QinBias):
 @register
 class QinExample1(_QinBias):
     name = "qin-example1"
-    paper = "S14; Qin et al. 2024 'Validating The Necessity' Example1: b_n = 1/n, n = k+1"
+    paper = "Qin et al. 2024 'Validating The Necessity' Example1: b_n = 1/n, n = k+1"
     summary = "bias = -log(k+1), b = 1/(k+1): harmonic series diverges, does NOT extrapolate"
     series, series_p, converges, series_sum = "p-series", 1.0, False, math.inf
 
@@ -101,7 +101,7 @@ class QinExample1(_QinBias):
 @register
 class QinExample2(_QinBias):
     name = "qin-example2"
-    paper = "S14; Qin et al. 2024 'Validating The Necessity' Example2: b_n = 1/(n ln n), n = k+2"
+    paper = "Qin et al. 2024 'Validating The Necessity' Example2: b_n = 1/(n ln n), n = k+2"
     summary = "bias = -log(n ln n), n = k+2: Bertrand series diverges (ln ln n), does NOT extrapolate"
     series, series_p, b_offset, converges, series_sum = "n-log-n", None, 2, False, math.inf
 

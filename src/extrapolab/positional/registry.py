@@ -6,6 +6,7 @@ import inspect
 from typing import Callable
 
 from .base import PositionalScheme, SchemeError
+from .custom import is_callable_spec, load_spec, make_callable_scheme
 
 REGISTRY: dict[str, type[PositionalScheme]] = {}
 
@@ -45,14 +46,11 @@ def build(name: str, num_heads: int, **params) -> PositionalScheme:
     """Build scheme ``name`` for ``num_heads`` heads; unknown names/options fail in one line.
 
     ``name`` may also be a user-callable spec, ``bias:package.module:function`` or
-    ``b:/path/to/file.py:function`` (S16): it is imported and registered on the fly.
+    ``b:/path/to/file.py:function`` (user-defined scheme): it is imported and registered on the fly.
     """
     cls = REGISTRY.get(name)
-    if cls is None and ":" in str(name):
-        from .custom import is_callable_spec, load_spec
-
-        if is_callable_spec(name):
-            cls = load_spec(name)
+    if cls is None and ":" in str(name) and is_callable_spec(name):
+        cls = register(load_spec(name))
     if cls is None:
         hint = " (user callables: bias:module:function or b:file.py:function)" if ":" in str(name) else ""
         raise SchemeError(
@@ -79,14 +77,12 @@ def register_callable(
     summary: str = "",
     overwrite: bool = False,
 ) -> type[PositionalScheme]:
-    """S16: register a user-defined relative scheme from a Python callable.
+    """Register a user-defined relative scheme from a Python callable.
 
     ``form="bias"``: ``fn(k)`` returns the additive bias for distance tensor ``k`` (float64);
     ``form="b"``: ``fn(k)`` returns b(k) > 0 and the bias is log b(k) (Qin et al. 2024, eq. 1).
     With ``per_head=True`` the callable is ``fn(k, h)`` for head index h = 0..H-1.
     """
-    from .custom import make_callable_scheme
-
     if name in REGISTRY and not overwrite:
         raise SchemeError(f"scheme name {name!r} is already registered; pass overwrite=True")
     REGISTRY.pop(name, None)

@@ -1,4 +1,4 @@
-"""S4 rotary (Su et al. 2021 RoFormer eq. 34; ALiBi §2.2).
+"""rotary (Su et al. 2021 RoFormer eq. 34; ALiBi §2.2).
 
 Rotate each pair (2i, 2i+1) of q and k by angle m·theta_i, theta_i = base^(-2i/d_head).
 cos/sin are cached per (length, device, dtype).
@@ -15,7 +15,7 @@ from .registry import register
 class Rotary(PositionalScheme):
     name = "rotary"
     kind = "rotary"
-    paper = "S4; Su et al. 2021 (RoFormer) eq. 34"
+    paper = "Su et al. 2021 (RoFormer) eq. 34"
     summary = "rotate q,k pairs by m·theta_i, theta_i = 10000^(-2i/d_head)"
 
     def __init__(self, num_heads: int, base: float = 10000.0) -> None:

@@ -1,4 +1,4 @@
-"""S11 Sandwich (Chi, Fan, Rudnicky 2023 "Dissecting Transformer Length Extrapolation via the
+"""Sandwich (Chi, Fan, Rudnicky 2023 "Dissecting Transformer Length Extrapolation via the
 Lens of Receptive Field Analysis", §6.1 eq. (6) and appendix E; thesis ch. 4).
 
 Sandwich keeps only the inner product of two sinusoidal embeddings of width d̄:
@@ -75,7 +75,7 @@ def check_sandwich_options(num_heads: int, dbar, base, ratios, convention) -> tu
 @register
 class Sandwich(RelativeBias):
     name = "sandwich"
-    paper = "S11; Chi et al. 2023 (Sandwich) §6.1 eq. 6 and appendix E; thesis ch. 4"
+    paper = "Chi et al. 2023 (Sandwich) §6.1 eq. 6 and appendix E; thesis ch. 4"
     summary = "(sum_i cos(k/10000^(2i/d̄)) - d̄/2)/c_h, c_h = h·8/H: parameter-free, log-like decay"
 
     def __init__(

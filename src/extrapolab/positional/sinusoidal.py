@@ -1,4 +1,4 @@
-"""S2 sinusoidal APE (Vaswani et al. 2017 §3.5; Sandwich paper eq. 5; ALiBi §2.2).
+"""sinusoidal APE (Vaswani et al. 2017 §3.5; Sandwich paper eq. 5; ALiBi §2.2).
 
 p[m, 2i] = sin(m / 10000^(2i/d)), p[m, 2i+1] = cos(m / 10000^(2i/d)), added to token embeddings.
 ``scale`` multiplies the table: the GPT sets it to sqrt(2)·init_std so that, with GPT-2-style
@@ -29,7 +29,7 @@ class Sinusoidal(PositionalScheme):
     name = "sinusoidal"
     kind = "absolute"
     relative = False
-    paper = "S2; Vaswani et al. 2017 §3.5, Sandwich paper eq. 5"
+    paper = "Vaswani et al. 2017 §3.5, Sandwich paper eq. 5"
     summary = "fixed sin/cos absolute embedding added to the token embeddings"
 
     def __init__(self, num_heads: int, base: float = 10000.0, scale: float = 1.0) -> None:

@@ -1,4 +1,4 @@
-"""S15 sliding-dilated attention bias of RegularGPT (thesis ch. 6, eq. 6.1).
+"""sliding-dilated attention bias of RegularGPT (thesis ch. 6, eq. 6.1).
 
 At layer level l a query at position m sees key n iff (m - n) / C^l is an integer in [C]
 (= {0, ..., C-1}); the bias there is the learned per-head scalar r_{(m-n)/C^l}, and -inf
@@ -24,7 +24,7 @@ from .registry import register
 @register
 class SlidingDilated(RelativeBias):
     name = "sliding-dilated"
-    paper = "S15; Chi 2024 thesis ch. 6 eq. 6.1 (RegularGPT sliding-dilated attention)"
+    paper = "Chi 2024 thesis ch. 6 eq. 6.1 (RegularGPT sliding-dilated attention)"
     summary = "RegularGPT: level l sees keys at distances j·C^l, j < C, with learned r_j per head"
     layer_dependent = True
 

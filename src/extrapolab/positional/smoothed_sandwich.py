@@ -1,4 +1,4 @@
-"""S12 smoothed Sandwich (Chi et al. 2023, §6.2, footnote 7, Fig. 9; thesis §4, Fig. 4.9).
+"""smoothed Sandwich (Chi et al. 2023, §6.2, footnote 7, Fig. 9; thesis §4, Fig. 4.9).
 
 Per head h, the Sandwich bias (eq. 6, see sandwich.py) is replaced by its least-squares log fit
 
@@ -64,7 +64,7 @@ def _int_option(name: str, value, low: int, example: str) -> int:
 @register
 class SmoothedSandwich(RelativeBias):
     name = "smoothed-sandwich"
-    paper = "S12; Chi et al. 2023 (Sandwich) §6.2, footnote 7, Fig. 9: y = -0.825·log(1+|m-n|) - 0.8"
+    paper = "Chi et al. 2023 (Sandwich) §6.2, footnote 7, Fig. 9: y = -0.825·log(1+|m-n|) - 0.8"
     summary = "per-head least-squares log fit a·log(1+k)+b of the Sandwich bias (parameter-free)"
 
     def __init__(

@@ -1,4 +1,4 @@
-"""S5 T5 relative bias (Raffel et al. 2020; thesis §3.4 bucket formula; ALiBi §2.2).
+"""T5 relative bias (Raffel et al. 2020; thesis §3.4 bucket formula; ALiBi §2.2).
 
 Causal log-bucketing identical to Hugging Face transformers'
 ``T5Attention._relative_position_bucket(bidirectional=False)``: distances < num_buckets/2 get
@@ -33,7 +33,7 @@ def t5_causal_bucket(dist: torch.Tensor, num_buckets: int = 32, max_distance: in
 @register
 class T5Bias(RelativeBias):
     name = "t5"
-    paper = "S5; Raffel et al. 2020; thesis §3.4 (bucket formula), HF _relative_position_bucket"
+    paper = "Raffel et al. 2020; thesis §3.4 (bucket formula), HF _relative_position_bucket"
     summary = "learned scalar per head per log-spaced distance bucket (32 buckets, max distance 128)"
 
     def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128) -> None:

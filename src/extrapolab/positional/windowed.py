@@ -1,4 +1,4 @@
-"""S7 windowed attention (Sandwich paper §3.3; Longformer): bias 0 if k < w else -inf.
+"""windowed attention (Sandwich paper §3.3; Longformer): bias 0 if k < w else -inf.
 
 An R-layer model has theoretical receptive field w·R (Sandwich paper §5).
 """
@@ -15,7 +15,7 @@ from .registry import register
 @register
 class Windowed(RelativeBias):
     name = "windowed"
-    paper = "S7; Sandwich paper §3.3 (l_mn = q·k if n + w > m >= n else -inf)"
+    paper = "Sandwich paper §3.3 (l_mn = q·k if n + w > m >= n else -inf)"
     summary = "hard window: attend to the w most recent keys (including the query itself)"
 
     def __init__(self, num_heads: int, window: int = 64) -> None:

@@ -1,5 +1,5 @@
 """RegularGPT and the regular-language length-generalisation benchmark (Chi 2024 thesis ch. 6,
-SPEC §5 T3). Library entry points (the CLI `extrapolab regular ...` wraps them):
+docs/protocols.md). Library entry points (the CLI `extrapolab regular ...` wraps them):
 
 * tasks:     ``make_task(name, **opts)``, ``TASKS``, ``DELETANG``, ``BHATTACHARYA``
 * models:    ``RegularGPT(RegularGPTConfig(...))``, ``build_model(kind, vocab, classes, **opts)``

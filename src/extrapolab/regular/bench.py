@@ -3,7 +3,7 @@ model) against full causal attention (O(T²) per layer), measured in one run.
 
 Per layer, all T queries:
   * ``full``      bias-free fused causal SDPA over T keys (the fastest dense baseline);
-  * ``full+mask`` the same attention with the S15 eq. 6.1 mask as a dense [1, H, T, T] bias
+  * ``full+mask`` the same attention with the eq. 6.1 mask as a dense [1, H, T, T] bias
                   (what a dense implementation of RegularGPT pays);
   * ``dilated``   ``sliding_dilated_attention``: every query gathers its C keys at distances
                   j·C^l, O(T·C·D).

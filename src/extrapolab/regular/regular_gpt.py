@@ -1,4 +1,4 @@
-"""RegularGPT (Chi 2024 thesis ch. 6, §6.2): sliding-dilated attention (eq. 6.1, scheme S15),
+"""RegularGPT (Chi 2024 thesis ch. 6, §6.2): sliding-dilated attention (eq. 6.1, the sliding-dilated scheme),
 adaptive depth ceil(log_C T) and weight sharing with thickness K.
 
 Efficient path (``forward``), the one used for training and evaluation: the model only ever
@@ -11,8 +11,8 @@ the whole model O(T·C·K) instead of O(T²·K·log T).
 
 ``pad="once"`` instead left-pads the input once to C^L (L = levels) with the pad vector; then the
 efficient path equals the dense eq. 6.1 computation over the full sequence (``forward_full``,
-built on ``model.attention.attend`` with the S15 scheme), which the tests check. ``pad="level"``
-(default) pads every level with the learned vector, like the SPEC §7 prototype (a learned pad
+built on ``model.attention.attend`` with the sliding-dilated scheme), which the tests check. ``pad="level"``
+(default) pads every level with the learned vector, like the authors' reference code (a learned pad
 vector extrapolated; masking the pad slots instead did not); both paths agree when T = C^L.
 
 ``forward_prefixes`` runs the *sliding* form of eq. 6.1 (every row of the mask, Fig. 6.1) in
@@ -21,7 +21,7 @@ prefix (own depth, same pads); ``supervision="prefix"`` trains on them.
 
 With K > 1 the chunks are non-overlapping (thesis §6.2.1 text); eq. 6.1's *sliding* mask would
 let lower sublayers read across chunk borders, so ``forward_full`` matches only for K = 1.
-Design defaults follow the SPEC §7 prototype: post-LN, ReLU FFN, embeddings × sqrt(D), no
+Design defaults follow the authors' reference code structure: post-LN, ReLU FFN, embeddings × sqrt(D), no
 other positional information.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ class SharedLayer(nn.Module):
         """x [N, L, D] -> [N, L, D] (or [N, 1, D] with ``last_only``); positions [L] in tokens.
 
         ``bias`` [H, L, L] given: the chunk path (``chunk_attention``, O(L) per query, L = C);
-        ``bias=None``: dense attention through ``model.attention.attend`` with the S15 scheme.
+        ``bias=None``: dense attention through ``model.attention.attend`` with the sliding-dilated scheme.
         """
         N, L, D = x.shape
         h = self.ln1(x) if self.norm == "pre" else x
@@ -238,7 +238,7 @@ class RegularGPT(nn.Module):
         return self.head(self.ln_f(out))  # [B, T, classes]
 
     def forward_full(self, idx: torch.Tensor) -> torch.Tensor:
-        """Dense reference: the whole (once-padded) sequence through L·K layers with the S15 mask."""
+        """Dense reference: the whole (once-padded) sequence through L·K layers with the eq. 6.1 mask."""
         B, T = idx.shape
         levels = num_levels(T, self.cfg.C)
         x = self._left_pad(self.embed(idx), self.cfg.C ** levels)  # [B, C^L, D]

@@ -1,6 +1,6 @@
 """Train and evaluate one (task, model, seed) of the regular-language benchmark (thesis §6.4).
 
-Protocol (thesis Table 6.1 + the SPEC §7 prototype): every step draws ONE length uniformly from
+Protocol (thesis Table 6.1 and the authors' reference code): every step draws ONE length uniformly from
 the task's valid lengths in [train_min, train_max] (1..40 Deletang, 1..50 Bhattacharya) and a
 batch of 128 strings of that length; Adam, gradient clipping 1.0. The loss is on the final label
 (``supervision="last"``, the table's protocol) or averaged over the label of every valid prefix
@@ -9,7 +9,7 @@ model is scored on held-out strings at the largest training length ("in-distribu
 the validation lengths: default 2·train_max and 8·train_max, i.e. 80 and 320 for the Deletang
 tasks, 100 and 400 for the others, strings drawn from a seed stream disjoint from the test
 strings. The longer one needs more levels than any training length, which is what selects
-checkpoints that extrapolate (SPEC §7). The checkpoint with the best validation accuracy is
+checkpoints that extrapolate (docs/results/regular-table-6.1.md). The checkpoint with the best validation accuracy is
 kept (ties: the earlier one); training stops once both accuracies reach ``stop_acc`` in
 ``stop_patience`` consecutive evaluations. Finally every valid length in [test_min, test_max]
 (step ``test_stride``) is scored on ``test_samples`` fresh strings; ``mean_test`` averages

@@ -1,4 +1,4 @@
-"""Train short (SPEC §2): the training loop, checkpoints, resume and torchrun data parallel.
+"""Train short (docs/architecture.md): the training loop, checkpoints, resume and torchrun data parallel.
 
 Public API::
 

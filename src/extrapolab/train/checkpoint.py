@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints (SPEC §2, §6 "A killed training run resumes from its last checkpoint").
+"""Crash-safe checkpoints (a killed training run resumes from its last checkpoint; docs/reliability.md).
 
 A checkpoint is a folder::
 
@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import config as config_mod
 from ..config import ConfigError, RunConfig
-from ..io import UserError, atomic_write_text
+from ..io import UserError, atomic_write_text, fsync_path
 from ..model.gpt import GPT, ModelConfig
 
 WEIGHTS, STATE, CONFIG, MANIFEST = "model.safetensors", "state.pt", "config.yaml", "manifest.json"
@@ -76,16 +76,6 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_folder_atomically(dest: Path, writer: Callable[[Path], None]) -> None:
     """``writer(tmp_folder)`` fills a temp folder; add a manifest, fsync, rename it to ``dest``."""
     dest = Path(dest)
@@ -99,14 +89,14 @@ def write_folder_atomically(dest: Path, writer: Callable[[Path], None]) -> None:
         manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
         atomic_write_text(tmp / MANIFEST, json.dumps({"files": manifest}, indent=1) + "\n")
         for p in files:
-            _fsync(p)
-        _fsync(tmp)
+            fsync_path(p)
+        fsync_path(tmp)
         if dest.exists():
             if old.exists():
                 shutil.rmtree(old)
             os.replace(dest, old)
         os.replace(tmp, dest)
-        _fsync(dest.parent)
+        fsync_path(dest.parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):  # disk full, quota, read-only or permissions: one line, old copy kept

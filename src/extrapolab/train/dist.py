@@ -1,4 +1,4 @@
-"""Multi-process data parallel training under ``torchrun`` (SPEC §2 "Beyond one machine").
+"""Multi-process data parallel training under ``torchrun`` (docs/architecture.md, "Beyond one machine").
 
 ``torchrun --nproc-per-node N -m extrapolab.train ...`` sets RANK / WORLD_SIZE / LOCAL_RANK; we
 initialise the default process group from them (gloo on CPU, nccl on CUDA) and wrap the model in

@@ -1,4 +1,4 @@
-"""The training loop (SPEC §2 "Train short"): GPT + AdamW + warmup/cosine, accumulation,
+"""The training loop (docs/architecture.md, "Train short"): GPT + AdamW + warmup/cosine, accumulation,
 clipping, autocast, periodic validation, crash-safe checkpoints and exact resume.
 
 Each optimizer step: ``grad_accum`` micro-batches (gradients of the mean loss), unscale + clip,
@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from .. import config as config_mod
 from ..config import RunConfig
 from ..io import UserError, run_lock
+from ..model.attention import flush_denormals
 from ..model.gpt import GPT
 from . import dist as D
 from . import records as R
@@ -99,6 +100,8 @@ class _Trainer:
         _check(cfg)
         self.env, self.progress, self.stop_after = env, progress, stop_after
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
+        if cfg.train.flush_denormals:
+            flush_denormals(True)
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         self.data = data if data is not None else _load_data(cfg, env, progress)

@@ -1,4 +1,4 @@
-"""AdamW parameter groups and the warmup + cosine learning-rate schedule (SPEC §2 "Train short").
+"""AdamW parameter groups and the warmup + cosine learning-rate schedule (docs/architecture.md, "Train short").
 
 Schedule (GPT-2/nanoGPT style, as used by the ALiBi/KERPLE/Sandwich training recipes): for the
 0-based optimizer step ``s`` of ``S = train.steps``,

@@ -28,7 +28,7 @@ def _temperature(spec: str, run: Path, lengths: list[int]) -> float | dict:
         if not 0 < tau <= 10:
             raise UserError(f"--temperature must be in (0, 10], got {tau}")
         return tau
-    from ..eval.align import load_temperature
+    from ..align import load_temperature
 
     return {L: load_temperature(run, L) for L in lengths}
 

@@ -18,7 +18,7 @@ import torch
 
 from .. import config as C
 from ..io import LockBusy, UserError, is_locked, run_lock, run_lock_path
-from .db import ResultsDB
+from ..report.db import ResultsDB
 
 
 @dataclass
@@ -241,7 +241,7 @@ def flatten_eval(res: dict) -> tuple[list, list]:
 
 
 def rebuild_report(out: Path, wall_s: float | None = None) -> Path:
-    from .build import build_report
+    from ..report.build import build_report
 
     out = Path(out)
     if not (out / "results.sqlite").is_file():

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..io import UserError
+from .hf_t5 import T5Target, is_t5
 from ..model.attention import AttnOptions, positional_logit_terms
 
 
@@ -195,8 +196,6 @@ def as_target(model, **kw):
     if hasattr(model, "blocks"):
         return GPTTarget(model, **kw)
     try:
-        from .hf_t5 import T5Target, is_t5
-
         if is_t5(model):
             return T5Target(model)
     except ImportError:

@@ -32,23 +32,10 @@ import numpy as np
 import torch
 
 from ..io import UserError, atomic_write_json
-from ..model.attention import AttnOptions  # noqa: F401 - re-exported
-from .align_plots import align_table, plot_temperature_curves, save_figure  # noqa: F401 - re-exported
-from .temperature import GPTTarget, SoftmaxStats, as_target, temperature_scope  # noqa: F401 - re-exported
+from .rules import GRID, MODES, canonical_rule, length_rule, pick_tau, prop51_tau, prop52_tau
+from .temperature import SoftmaxStats, as_target
 
-GRID = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))  # 1.0, 0.95, ..., 0.5 (Algorithm 1)
-MODES = ("pmax", "entropy")
-RULES = ("pmax", "entropy", "length", "prop51", "prop52")
-ALIASES = {"max": "pmax", "max_prob": "pmax", "maxprob": "pmax", "p_max": "pmax", "h": "entropy",
-           "ent": "entropy", "log": "length", "yao": "length", "none": "none"}
 TEMPERATURE_FILE = "temperature.json"
-
-
-def canonical_rule(name: str) -> str:
-    key = ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
-    if key not in RULES and key != "none":
-        raise UserError(f"unknown alignment rule {name!r}; use one of: none, {', '.join(RULES)}")
-    return key
 
 
 # ---------------------------------------------------------------- Algorithm 1
@@ -88,35 +75,6 @@ def collect_logit_stats(model, segments, taus: Sequence[float] = GRID, *, propag
                 merged[key].append(s[key][0])
             merged["softmaxes"] = s["softmaxes"]
     return merged
-
-
-def pick_tau(target: float, taus: Sequence[float], values: Sequence[float]) -> float:
-    """Grid tau whose statistic is closest to the training statistic (ties: the larger tau)."""
-    diffs = [abs(v - target) for v in values]
-    best = min(range(len(diffs)), key=lambda i: (diffs[i], -taus[i]))
-    return float(taus[best])
-
-
-def length_rule(train_length: int, length: int) -> float:
-    """tau = log_{L_ex} L_tr (Yao et al. 2021; Su 2021; thesis §5.5)."""
-    return math.log(train_length) / math.log(length)
-
-
-def prop51_tau(pmax_tr: float, sigma_tr: float, sigma_ex: float, len_tr: float, len_ex: float) -> float:
-    """Prop. 5.1: larger root of A tau^2 - B tau + C = 0 (nan if it has no real root)."""
-    A = math.log(len_ex) + math.log(pmax_tr)
-    B = math.log(len_tr) + math.log(pmax_tr) + sigma_tr ** 2 / 2
-    C = sigma_ex ** 2 / 2
-    disc = B * B - 4 * A * C
-    if A <= 0 or disc < 0:
-        return float("nan")
-    return (B + math.sqrt(disc)) / (2 * A)
-
-
-def prop52_tau(sigma_tr: float, sigma_ex: float, len_tr: float, len_ex: float) -> float:
-    """Prop. 5.2: tau = sigma_ex / sqrt(sigma_tr^2 + 2 log(L_ex / L_tr))."""
-    d = sigma_tr ** 2 + 2 * math.log(len_ex / len_tr)
-    return sigma_ex / math.sqrt(d) if d > 0 else float("nan")
 
 
 # ---------------------------------------------------------------- align(): all rules at every L_ex

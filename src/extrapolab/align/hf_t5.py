@@ -119,7 +119,7 @@ def t5_temperature(model, tau: float | Sequence[float] = 1.0, parts: Sequence[st
 
 
 class T5Target:
-    """Alignment target (see eval.align.as_target): Algorithm 1 over the T5 *encoder* softmaxes.
+    """Alignment target (see align.temperature.as_target): Algorithm 1 over the T5 *encoder* softmaxes.
 
     Statistics come from the attention probabilities p of each encoder layer; the sink gets
     tau·log p, which is l/tau·tau = l up to a per-row constant (softmax(log p) re-temperatures
@@ -141,7 +141,7 @@ class T5Target:
                     w = out[2]  # [B, H, Lq, Lk] probabilities at this layer's tau
                     if w is None:
                         raise UserError("T5 attention returned no probabilities; load it with "
-                                        "attn_implementation='eager' (eval.hf_t5.load_t5 does)")
+                                        "attn_implementation='eager' (align.hf_t5.load_t5 does)")
                     sink.add(i, taus[i] * torch.log(w.float()))
                 handles.append(attn.register_forward_hook(grab))
         try:

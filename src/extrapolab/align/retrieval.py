@@ -1,4 +1,4 @@
-"""T2 long-context retrieval tasks (thesis ch. 5 §5.3, §5.5.2; SPEC §5 T2).
+"""T2 long-context retrieval tasks (thesis ch. 5 §5.3, §5.5.2; docs/protocols.md).
 
 * passkey -- Mohtashami & Jaggi (2023): a 5-digit pass key hidden at a chosen depth in repeated
   junk sentences ("The grass is green. The sky is blue. ..."), then asked for.
@@ -27,8 +27,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..analysis.common import save_figure
+from ..data.tokenizer import BytesCodec
 from ..io import UserError
-from .align_plots import save_figure
 from .temperature import temperature_scope
 
 KINDS = ("passkey", "kv")
@@ -61,8 +62,6 @@ class Example:
 
 
 def byte_tokenizer():
-    from ..data.tokenizer import BytesCodec
-
     return BytesCodec()
 
 

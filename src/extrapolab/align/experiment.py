@@ -1,8 +1,8 @@
-"""`extrapolab align experiment`: thesis ch. 5's result in one command (issue #7, SPEC §5 T1-T2).
+"""`extrapolab align experiment`: thesis ch. 5's result in one command (docs/protocols.md, "Beyond recency").
 
 1. train (resumably, with the ordinary trainer) one model -- a T5-bias GPT in the align presets --
    at L_tr on the corpus's train split mixed with generated retrieval documents
-   (:func:`extrapolab.eval.retrieval.retrieval_stream`);
+   (:func:`extrapolab.align.retrieval.retrieval_stream`);
 2. Algorithm 1 in both modes (P_max, entropy) plus the length rule and Props. 5.1/5.2 at every
    L_ex, stored as ``<out>/run/temperature.json`` (so ``extrapolab eval <out>/run --temperature
    auto`` works afterwards);
@@ -31,8 +31,15 @@ import numpy as np
 import torch
 
 from .. import config as C
+from ..data import TokenData, prepare
+from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
+from ..train import load_model, train
+from .algorithm import align, collect_logit_stats, load_temperature, save_temperature
+from .retrieval import KINDS, make_examples, retrieval_stream, score
+from .rules import GRID, MODES, canonical_rule, pick_tau
+from .tables import write_report
 
 ALL_RULES = ["none", "pmax", "entropy", "length", "prop51", "prop52"]
 
@@ -58,9 +65,6 @@ class AlignSpec:
 
 
 def load_align_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, AlignSpec]:
-    from ..eval.align import canonical_rule
-    from ..eval.retrieval import KINDS
-
     raw = C.apply_overrides(C.load_preset(name_or_path), overrides or [])
     spec = C.from_dict(AlignSpec, raw.pop("align", None) or {}, "align")
     cfg = C.resolve(base=raw)
@@ -81,8 +85,6 @@ def load_align_preset(name_or_path: str, overrides: list[str] | None = None) -> 
 def training_mixture(data, cfg: C.RunConfig, spec: AlignSpec):
     """TokenData whose train split is the corpus's (capped) followed by retrieval documents; the
     trainer's random windows then sample both. Valid and test stay the corpus's."""
-    from ..data import TokenData
-    from ..eval.retrieval import retrieval_stream
 
     corpus = np.asarray(data.split("train"))
     if spec.corpus_tokens > 0:
@@ -137,7 +139,6 @@ def _check_mixture(run_dir: Path, sizes: dict) -> None:
 
 def rule_taus(run_dir: Path, rules, lengths) -> dict:
     """{rule: {L: tau or None}} from ``run_dir``/temperature.json (None: the rule gave no tau)."""
-    from ..eval.align import load_temperature
 
     out = {}
     for rule in rules:
@@ -154,7 +155,6 @@ def rule_taus(run_dir: Path, rules, lengths) -> dict:
 
 def measure_ppl(model, tokens, taus: dict, spec: AlignSpec, batch_size: int) -> dict:
     """{rule: {L: {"tau", "ppl"}}}: E1 nonoverlapping perplexity, one evaluation per distinct tau."""
-    from ..eval.perplexity import nonoverlapping
 
     base = getattr(model, "attn_opts", None) or AttnOptions()
     memo: dict = {}
@@ -175,7 +175,6 @@ def measure_ppl(model, tokens, taus: dict, spec: AlignSpec, batch_size: int) -> 
 
 def measure_retrieval(model, task: str, taus: dict, spec: AlignSpec, tokenizer) -> list[dict]:
     """Exact-match records per rule x length x depth; each (length, tau) is decoded once."""
-    from ..eval.retrieval import make_examples, score
 
     records = []
     for L in spec.retrieval_lengths:
@@ -195,8 +194,6 @@ def task_alignment(model, task: str, spec: AlignSpec, train_length: int, tokeniz
     """Algorithm 1 on ``task``'s own prompts (as thesis Table 5.9 aligns per task):
     {"pmax": {L: tau}, "entropy": {L: tau}}. The prompts use another seed than the scored examples;
     the ``segments`` prompts of one length are cut to their shortest (dropping leading tokens)."""
-    from ..eval.align import GRID, MODES, collect_logit_stats, pick_tau
-    from ..eval.retrieval import make_examples
 
     def prompts(L: int) -> np.ndarray:
         per_depth = -(-spec.segments // len(spec.depths))
@@ -226,10 +223,6 @@ def _with_task_rules(taus: dict, task_tau: dict, train_length: int) -> dict:
 def run_align_experiment(preset: str, out: Path | None = None, overrides: list[str] | None = None,
                          progress: bool = True) -> dict:
     """Train, align, measure and write the report; returns {"report", "wall_s", "out", "results"}."""
-    from ..data import prepare
-    from ..eval.align import MODES, align, save_temperature
-    from ..train import load_model, train
-    from .align_tables import write_report
 
     t0 = time.time()
     cfg, spec = load_align_preset(preset, overrides)

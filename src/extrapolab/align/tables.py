@@ -16,7 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from ..io import atomic_write_text
-from .html import img_tag, md_table_to_html, page
+from ..report.html import img_tag, md_table_to_html, page
+from ..report.plots import plot_ppl_vs_length
+from .plots import align_table, plot_temperature_curves
+from .retrieval import plot_heatmap, retrieval_table
 
 RULE_LABELS = {"none": "none (τ=1)", "pmax": "Alg. 1 P_max", "entropy": "Alg. 1 H", "length": "log_{L_ex} L_tr",
                "prop51": "Prop. 5.1", "prop52": "Prop. 5.2", "pmax@task": "Alg. 1 P_max on task prompts",
@@ -135,9 +138,6 @@ def _training_md(results: dict) -> str:
 
 def write_report(out: Path, results: dict) -> Path:
     """Write every table, figure, report.md and report.html under ``out``; returns report.html."""
-    from ..eval.align import align_table, plot_temperature_curves
-    from ..eval.retrieval import plot_heatmap, retrieval_table
-    from .plots import plot_ppl_vs_length
 
     out = Path(out)
     figs = out / "figures"

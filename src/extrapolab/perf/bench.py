@@ -1,4 +1,4 @@
-"""E8 cost table: speed and memory of every scheme against bias-free SDPA (SPEC §3 E8, §6 "Fast").
+"""E8 cost table: speed and memory of every scheme against bias-free SDPA (docs/protocols.md, E8).
 
 Follows the comparisons of ALiBi Fig. 2 (train/inference speed and memory vs L), thesis Table 3.4
 (train sec/step, tokens/s per kernel) and Sandwich appendix B (cached sliding-window generation

@@ -1,5 +1,5 @@
 """Alignment output: the tau table (thesis Tables 5.8-5.11 and 5.1) and the temperature-curve
-figure (thesis Figs. 5.3-5.4) from a result of :func:`extrapolab.eval.align.align`."""
+figure (thesis Figs. 5.3-5.4) from a result of :func:`extrapolab.align.algorithm.align`."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import atomic_write_with
+from ..analysis.common import save_figure
+from .rules import length_rule
 
 RULE_NAMES = {"pmax": "w/ P_max", "entropy": "w/ H", "length": "w/ log_{L_ex} L_tr",
               "prop51": "Prop. 5.1 (layer 0)", "prop52": "Prop. 5.2 (layer 0)"}
@@ -33,24 +34,12 @@ def align_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def save_figure(fig, stem: str | Path) -> list[Path]:
-    """Write ``stem``.png and ``stem``.svg atomically; returns the two paths."""
-    out = []
-    for ext in ("png", "svg"):
-        path = Path(f"{stem}.{ext}")
-        atomic_write_with(path, lambda p, ext=ext: fig.savefig(p, format=ext, dpi=150, bbox_inches="tight"))
-        out.append(path)
-    return out
-
-
 def plot_temperature_curves(res: dict, stem: str | Path, title: str = "") -> list[Path]:
     """Thesis Figs. 5.3-5.4: Prop. 5.1/5.2 curves, Algorithm 1 dots (P_max) and crosses (H), log rule."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .align import length_rule  # here, not at the top: align.py re-exports this module
 
     Ls = res["lengths"]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))

@@ -1,0 +1,4 @@
+"""`python -m extrapolab` is `extrapolab`."""
+from .cli.main import app
+
+app(prog_name="extrapolab")

@@ -1,0 +1,19 @@
+"""Softmax-temperature attention alignment, the study of thesis ch. 5 (Chi 2024).
+
+:mod:`.rules` the Algorithm 1 grid, the length-only rule and Props. 5.1/5.2; :mod:`.temperature`
+softmax temperature per layer and per-softmax statistics; :mod:`.algorithm` Algorithm 1 over a
+model and the stored ``temperature.json``; :mod:`.plots` the tau table and curves;
+:mod:`.retrieval` passkey / key-value retrieval; :mod:`.hf_t5` the Hugging Face T5 target;
+:mod:`.experiment` and :mod:`.tables` the one-command study (`extrapolab align experiment`).
+"""
+from .algorithm import TEMPERATURE_FILE, align, collect_logit_stats, load_temperature, save_temperature
+from .plots import align_table, plot_temperature_curves
+from .rules import GRID, MODES, RULES, canonical_rule, length_rule, pick_tau, prop51_tau, prop52_tau
+from .temperature import GPTTarget, SoftmaxStats, as_target, temperature_scope
+
+__all__ = [
+    "GRID", "MODES", "RULES", "TEMPERATURE_FILE", "GPTTarget", "SoftmaxStats", "align", "align_table",
+    "as_target", "canonical_rule", "collect_logit_stats", "length_rule", "load_temperature",
+    "pick_tau", "plot_temperature_curves", "prop51_tau", "prop52_tau", "save_temperature",
+    "temperature_scope",
+]

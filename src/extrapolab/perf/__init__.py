@@ -1,0 +1,1 @@
+"""Speed and memory: the benchmark (`extrapolab bench`) and the one memory sampler."""
