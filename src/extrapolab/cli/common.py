@@ -40,3 +40,9 @@ def friendly(fn):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+#: the device and precision options every verb that runs a model takes (resolved by
+#: ``extrapolab.train.dist.resolve_device`` and ``train.step.resolve_precision``)
+DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when visible)")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 (auto: bf16 on a GPU that supports it, else fp32)")
