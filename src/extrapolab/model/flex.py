@@ -108,7 +108,8 @@ def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BL
     d_lo = off + q_lo[:, None] - k_hi[None]  # [QB, KB] smallest distance in the block
     d_hi = off + q_hi[:, None] - k_lo[None]  # [QB, KB] largest
     seen = cnt[(d_hi + 1).clamp(0, n)] - cnt[d_lo.clamp(0, n)]  # [QB, KB] visible distances
-    full = (d_lo >= 0) & (d_hi < n) & (seen == d_hi - d_lo + 1)
+    whole = ((q_hi - q_lo + 1 == block)[:, None]) & ((k_hi - k_lo + 1 == block)[None])  # [QB, KB]
+    full = whole & (d_lo >= 0) & (d_hi < n) & (seen == d_hi - d_lo + 1)  # edge blocks stay partial
     partial = (seen > 0) & ~full
     off_t = torch.tensor(off, device=dev)
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block,
