@@ -186,3 +186,27 @@ def test_cuda_auto_takes_flex_and_long_forward_has_no_LxL_tensor():
         torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 256 * 2**20
     assert len(flex._COMPILED) == 1
+
+
+@pytest.mark.slow
+def test_compiled_flex_equals_reference_without_recompiling(monkeypatch):
+    """The compiled kernel CUDA uses, run here on the CPU (forward; inductor's CPU template): equal
+    to the reference, and new temperatures, layers, offsets or schemes of the same form reuse the
+    compiled graph (captured 0-d tensors, not constants). Compiling takes minutes on a small CPU."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    monkeypatch.setattr(flex, "kernel", lambda device: compiled)
+    graphs = []
+    for name in ("alibi", "sliding-dilated", "kerple-bias-wht"):
+        s = _scheme(name, heads=2)
+        q, k, v = _qkv(1, 2, 256, 256, 16)
+        pos = torch.arange(256)
+        with torch.no_grad():
+            for layer, tau in ((0, 1.0), (1, 0.7), (0, 0.5)):
+                got, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(impl="flex", temperature=tau))
+                ref, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(impl="plain", temperature=tau))
+                assert (got - ref).abs().max() < 2e-5, (name, layer, tau)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] and graphs[2] == graphs[0] + 1  # the wht form is a second graph
