@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from extrapolab import positional
 from extrapolab.io import UserError
 from extrapolab.model import toeplitz as T
-from extrapolab.model.attention import AttnOptions, attend
+from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.model.reference import logits
 
@@ -160,3 +160,40 @@ def test_logits_sink_reports_the_explicit_logits(name):
     assert torch.allclose(logits(qr, kr, q_pos, k_pos, s, 2, 25), want, atol=1e-5)
     fast, _ = attend(q, k, v, q_pos, k_pos, s, 2, AttnOptions(window=25, temperature=0.6))
     assert (out - fast).abs().max() < 1e-5
+
+
+class _AbsoluteBonus(positional.PositionalScheme):
+    """A bias that is not a function of m - n (ALiBi plus a bonus for the first two positions)."""
+
+    kind = "bias"
+
+    def __init__(self, num_heads):
+        super().__init__(num_heads)
+        self.alibi = positional.build("alibi", num_heads=num_heads)
+        self.bonus = torch.nn.Parameter(torch.tensor(0.7))
+
+    def bias(self, q_pos, k_pos, layer=0):
+        return self.alibi.bias(q_pos, k_pos) + self.bonus * (k_pos < 2).float()  # [H, Lq, Lk]
+
+
+@pytest.mark.parametrize("case", ["absolute-bias", "gapped-positions"])
+def test_fallback_equals_reference_with_gradients(case):
+    """Biases that are not Toeplitz, and positions that are not contiguous, take the dense-mask
+    fallback in query blocks: output and gradients equal the reference path's."""
+    s = _AbsoluteBonus(3) if case == "absolute-bias" else positional.build("alibi", num_heads=3)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 40, 8, generator=g).requires_grad_() for _ in range(3))
+    pos = torch.arange(40) if case == "absolute-bias" else torch.arange(40) * 3 + (torch.arange(40) > 20)
+    params = [q, k, v, *s.parameters()]
+    ref, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="plain", window=50, temperature=0.8))
+    want = torch.autograd.grad(ref.square().sum(), params)
+    for impl, kw in (("sdpa", {}), ("blocked", {"block_size": 7}), ("auto", {"memory_budget_mb": 1e-6, "block_size": 9})):
+        opts = AttnOptions(impl=impl, window=50, temperature=0.8, **kw)
+        starts = (0, 0) if case == "absolute-bias" else (None, None)
+        path, _ = select_path("cpu", s, opts, q.shape, 40, same_pos=True, starts=starts, dense_bias=False, grad=True)
+        assert path == "fallback"
+        out, _ = attend(q, k, v, pos, pos, s, 0, opts)
+        got = torch.autograd.grad(out.square().sum(), params)
+        assert (out - ref).abs().max() < 1e-5, impl
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (case, impl)
