@@ -139,7 +139,7 @@ def test_flex_on_cpu_with_input_gradients_is_a_one_line_error():
 
 
 # ---- CUDA: the path training and evaluation take there ------------------------------------------
-def _gpt(name, dtype):
+def _gpt(name):
     torch.manual_seed(0)
     m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=64, heads=4, layers=2, train_length=256)).cuda()
     with torch.no_grad():
@@ -149,25 +149,42 @@ def _gpt(name, dtype):
     return m
 
 
+def _run(m, idx, impl, dtype):
+    m.zero_grad()
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out = m(idx, opts=AttnOptions(impl=impl))
+    out.float().square().mean().backward()
+    return out.float().detach(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", BIAS_SCHEMES)
-def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, tol):
-    m = _gpt(name, dtype)
+def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, monkeypatch):
+    """On CUDA a training step takes FlexAttention (auto) and matches the plain path: in fp32 to
+    fp32 rounding; in bf16 within twice the plain path's own bf16 error against fp32 (plus 1e-3)."""
+    m = _gpt(name)
     idx = torch.randint(0, 64, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    res = {}
-    for impl in ("plain", "auto"):
-        m.zero_grad()
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-            out = m(idx, opts=AttnOptions(impl=impl))
-        out.float().square().mean().backward()
-        res[impl] = out.float(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
-    (o_ref, g_ref), (o, g) = res["plain"], res["auto"]
-    assert (o - o_ref).abs().max() <= tol * o_ref.abs().max(), name
-    assert g.keys() == g_ref.keys()
+    calls = []
+    real = flex.flex_attention_path
+    monkeypatch.setattr(flex, "flex_attention_path", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    o_ref, g_ref = _run(m, idx, "plain", torch.float32)
+    o, g = _run(m, idx, "auto", dtype)
+    assert len(calls) == 2, "auto did not take the FlexAttention path"  # one per layer
+    assert g.keys() == g_ref.keys() and any("scheme" in n for n in g) == m.scheme.learnable
+    if dtype == torch.float32:
+        assert _rel(o, o_ref) < 1e-5, name
+        for n, want in g_ref.items():
+            assert _rel(g[n], want) < 1e-4, (name, n, _rel(g[n], want))
+        return
+    o_low, g_low = _run(m, idx, "plain", dtype)
+    assert _rel(o, o_ref) <= 2 * _rel(o_low, o_ref) + 1e-3, name
     for n, want in g_ref.items():
-        err = (g[n] - want).norm() / want.norm().clamp(min=1e-12)
-        assert err < (5e-4 if dtype == torch.float32 else 5e-2), (name, n, float(err))
+        assert _rel(g[n], want) <= 2 * _rel(g_low[n], want) + 1e-3, (name, n, _rel(g[n], want), _rel(g_low[n], want))
 
 
 @pytest.mark.gpu

@@ -130,7 +130,8 @@ def attend(
     tau = opts.tau(layer)
     scale = 1.0 / math.sqrt(q.shape[-1])
     dense = bias if isinstance(bias, torch.Tensor) else None
-    same = q.shape[2] == k.shape[2] and torch.equal(q_pos, k_pos)
+    bias_free = not scheme.has_bias and not scheme.has_weight and opts.window is None
+    same = bias_free and q.shape[2] == k.shape[2] and torch.equal(q_pos, k_pos)  # (a device sync: only when it matters)
     starts = _contiguous_starts(bias, q_pos, k_pos) if dense is None else (None, None)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     path, block = select_path(q.device.type, scheme, opts, q.shape, k.shape[2], same_pos=same,
