@@ -9,8 +9,9 @@ from torch.profiler import profile
 
 from extrapolab import positional
 from extrapolab.perf.bench import PeakRSS
-from extrapolab.model import attention as A
-from extrapolab.model.attention import AttnOptions, DistanceBias, attend
+from extrapolab.model import toeplitz as A
+from extrapolab.model.attention import AttnOptions, attend
+from extrapolab.model.tables import DistanceBias
 from extrapolab.model.gpt import GPT, KVCache, ModelConfig
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -106,7 +107,7 @@ def test_antidiagonal_sums_match_loop():
     for u in range(5):
         for w in range(7):
             want[:, u + w] += m[:, u, w]
-    assert torch.allclose(A._antidiag_sums(m), want, atol=1e-6)
+    assert torch.allclose(A.antidiag_sums(m), want, atol=1e-6)
 
 
 def _ops(fn):

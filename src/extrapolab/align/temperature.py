@@ -1,12 +1,12 @@
 """Softmax temperature in our GPT, and per-softmax attention statistics (thesis ch. 5, §5.4).
 
 Softmax_tau(l) = softmax(l / tau) divides the whole pre-softmax logit (scaled q·k plus bias), as
-``AttnOptions.temperature`` does. :class:`GPTTarget` sets tau per layer by wrapping each Block's
-forward (model/gpt.py is untouched) and, given a :class:`SoftmaxStats` sink, reports every
-layer's tau=1 logits to it: they are *replayed* from the block input with the attention module's
-own pieces (scheme.rotate, 1/sqrt(d), positional_logit_terms: bias, wht weight, causal/window
-mask) in query blocks, so no L x L per-layer probability tensor is kept. Targets that only expose
-probabilities (HF T5, eval/hf_t5.py) report log p instead: log p = l - logsumexp(l) is l up to a
+``AttnOptions.temperature`` does. :class:`GPTTarget` sets tau per layer through the model's
+attention options (``AttnOptions.temperature`` takes one value per layer) and, given a
+:class:`SoftmaxStats` sink, passes it as ``AttnOptions.logits_sink``: the reference attention path
+(model/reference.py, docs/attention.md) hands it every layer's tau=1 logits, one query block at a
+time, so no L x L per-layer tensor is kept and no second logit computation exists. Targets that only expose
+probabilities (HF T5, align/hf_t5.py) report log p instead: log p = l - logsumexp(l) is l up to a
 per-row constant and softmax is shift-invariant, so softmax(log p / tau) = softmax(l / tau).
 
 :class:`SoftmaxStats` sums, per (tau, layer), P_max = max Softmax_tau(l) and the entropy
@@ -23,14 +23,14 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..io import UserError
 from .hf_t5 import T5Target, is_t5
-from ..model.attention import AttnOptions, positional_logit_terms
+from ..model.attention import AttnOptions
 
 
 # ---------------------------------------------------------------- per-softmax statistics sink
@@ -107,23 +107,6 @@ class SoftmaxStats:
 
 
 # ---------------------------------------------------------------- our GPT as an alignment target
-def _block_logits(blk, x, pos, scheme, window, block_size) -> Iterator[torch.Tensor]:
-    """Replay block ``blk``'s tau=1 pre-softmax logits: yields [B, H, bq, Lk] per query block."""
-    B, L, C = x.shape
-    qkv = blk.qkv(blk.ln1(x)).view(B, L, 3, blk.heads, C // blk.heads)  # [B, L, 3, H, D]
-    q, k, _ = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
-    q, k = scheme.rotate(q, k, pos, pos)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    for s in range(0, L, block_size):
-        e = min(L, s + block_size)
-        hi = e if bool(torch.all(pos[1:] >= pos[:-1])) else L  # later keys are all masked
-        weight, add = positional_logit_terms(scheme, pos[s:e], pos[:hi], blk.index, window, None)
-        lg = torch.matmul(q[:, :, s:e], k[:, :, :hi].transpose(-1, -2)).float() * scale  # [B,H,bq,hi]
-        if weight is not None:
-            lg = lg * weight.float()
-        yield lg + add.float()  # [B, H, bq, hi]
-
-
 def _layer_taus(tau, n: int) -> list[float]:
     if isinstance(tau, (int, float)):
         taus = [float(tau)] * n
@@ -137,48 +120,36 @@ def _layer_taus(tau, n: int) -> list[float]:
 
 
 class GPTTarget:
-    """Our ``GPT``: per-layer temperature by wrapping each Block's forward (gpt.py is untouched)."""
+    """Our ``GPT`` as an alignment target: per-layer temperature and the logits sink are options
+    of its attention (``AttnOptions.temperature``, ``AttnOptions.logits_sink``)."""
 
     def __init__(self, model, opts: AttnOptions | None = None, block_size: int = 256) -> None:
         self.model = model
         self.opts = opts or getattr(model, "attn_opts", None) or AttnOptions()
         self.block_size = int(block_size)
         self.num_layers = len(model.blocks)
+        self._active: AttnOptions | None = None
 
     @contextmanager
     def scope(self, tau: float | Sequence[float] = 1.0, sink: SoftmaxStats | None = None):
-        """Within the block each layer's softmax uses its tau (an inner scope wins over an outer
-        one); with a ``sink``, every layer reports its tau=1 logits to it."""
+        """Within the block the model's default attention options carry each layer's tau (an
+        inner scope wins over an outer one); with a ``sink``, every layer's tau = 1 logits reach
+        it from the reference attention path, ``block_size`` query rows at a time."""
         taus = _layer_taus(tau, self.num_layers)
-        window = self.opts.window
-        saved = [blk.__dict__.get("forward") for blk in self.model.blocks]
-        for blk, t in zip(self.model.blocks, taus):
-            blk.forward = self._wrap(blk, type(blk).forward.__get__(blk), t, sink, window)
+        kw: dict = {"temperature": tuple(taus), "logits_sink": None}
+        if sink is not None:
+            kw.update(logits_sink=lambda layer, lg, keys: sink.add(layer, lg, grid=keys),
+                      block_size=self.block_size)
+        prev, prev_active = self.model.attn_opts, self._active
+        self._active = self.model.attn_opts = replace(self.opts, **kw)
         try:
             yield self
         finally:
-            for blk, prev in zip(self.model.blocks, saved):
-                if prev is None:
-                    blk.__dict__.pop("forward", None)
-                else:
-                    blk.forward = prev
-
-    def _wrap(self, blk, orig, tau, sink, window):
-        bs = self.block_size
-
-        def forward(x, pos, scheme, opts, bias=None, cache=None):
-            opts = replace(opts, temperature=tau)
-            if sink is not None and cache is None:
-                with torch.no_grad():
-                    for lg in _block_logits(blk, x, pos, scheme, window, bs):
-                        sink.add(blk.index, lg, grid=x.shape[1])
-            return orig(x, pos, scheme, opts, bias, cache)
-
-        return forward
+            self.model.attn_opts, self._active = prev, prev_active
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor):
-        return self.model(ids, opts=self.opts)
+        return self.model(ids, opts=self._active or self.opts)
 
 
 @contextmanager

@@ -1,20 +1,20 @@
 """Attention probabilities for chosen query rows, without ever materialising L x L.
 
 One forward pass (any attention path) records each layer's fused q/k/v projection with a
-forward hook on ``Block.qkv``. Rows of the attention matrix are then recomputed for blocks of
-queries exactly as ``model/attention.py``'s plain path does (rotate -> scale -> KERPLE weight ->
-scheme bias + causal/window mask -> temperature -> softmax; ``positional_logit_terms`` is the
-same function the model uses), so memory is O(H · block · L) per step.
+forward hook on ``Block.qkv``. Rows of the attention matrix are then recomputed for chosen
+queries by the model's own reference logits (``model.reference.logits``: rotate -> scale ->
+KERPLE weight -> scheme bias + causal/window mask; then / tau and softmax, docs/attention.md),
+so memory is O(H · rows · L) per step and there is no second copy of the logit computation.
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-from ..model.attention import AttnOptions, positional_logit_terms
+from ..model.attention import AttnOptions
+from ..model.reference import logits
 
 
 @contextmanager
@@ -62,14 +62,8 @@ def attention_rows(
     q = q[:, :, rows]  # [B, H, n, D]
     qpos = positions[rows]
     q, k = model.scheme.rotate(q, k, qpos, positions)
-    tau = float(opts.temperature)
-    scale = 1.0 / math.sqrt(D) / tau
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, H, n, L]
-    weight, add = positional_logit_terms(model.scheme, qpos, positions, layer, opts.window, None)
-    if weight is not None:
-        s = s * weight.float()
-    s = s + add.float() / tau  # [H|1, n, L] broadcast over batch
-    return torch.softmax(s, dim=-1)  # [B, H, n, L]
+    lg = logits(q, k, qpos, positions, model.scheme, layer, opts.window)  # [B, H, n, L]
+    return torch.softmax(lg.float() / opts.tau(layer), dim=-1)  # [B, H, n, L]
 
 
 def iter_row_blocks(L: int, rows: torch.Tensor | None = None, block: int = 256):

@@ -1,47 +1,36 @@
-"""Causal attention with any positional scheme, applied in one place (docs/architecture.md, "Attention paths").
+"""Causal attention with any positional scheme, applied in one place: :func:`attend`.
 
-Order, for every path: rotate q,k -> scale by 1/sqrt(d_head) -> (KERPLE wht kernels multiply
-q·k) -> add the scheme's bias -> causal/window mask -> temperature -> softmax.
+docs/attention.md has the order of operations (rotate -> scale by 1/sqrt(d_head) -> KERPLE "wht"
+multiply -> bias -> causal/window mask -> temperature -> softmax, written out in
+:mod:`.reference`) and the table of which path runs when, with the tests that prove each path
+equal to the reference. The paths, chosen by :func:`select_path`:
 
-The softmax temperature tau divides the *whole* pre-softmax logit (scaled q·k plus bias), which
-is Softmax_tau(l) of thesis §5.4 / Algorithm 1; tau = 1 is the identity.
-
-Paths (all exact to fp32 tolerance against each other, see tests/test_attention*.py):
-* ``sdpa``    fused ``scaled_dot_product_attention``: ``is_causal`` without a bias, else a 4-D
-              [1, H|1, Lq, Lk] float mask (the layout the CPU flash kernel accepts);
-* ``plain``   explicit matmul-softmax, the only path that returns attention probabilities;
-* ``blocked`` query blocks; keys past a block's causal frontier or outside its window skipped.
-``auto`` picks blocked when H·Lq·Lk floats exceed ``memory_budget_mb`` (on the Toeplitz path:
-when Lq > min(block_size, 512), where skipping the causal upper triangle pays), else sdpa.
-
-The Toeplitz/Hankel fast path for relative schemes (O(H·L) bias memory, fused kernels, learnable
-distance tables) lives in :mod:`.toeplitz`; its names are re-exported here.
+* ``reference``  :mod:`.reference`, explicit matmul-softmax (query blocks when large); the only
+                 path that returns probabilities or feeds a logits sink;
+* ``causal``     NoPE / rotary / absolute schemes: fused SDPA with ``is_causal``;
+* ``toeplitz``   :mod:`.toeplitz`, relative biases at contiguous positions: Hankel-view masks in
+                 fused SDPA (CPU), HankelSDPA for learnable tables, tiled softmax for wht kernels;
+* ``flex``       :mod:`.flex`, relative biases on CUDA: FlexAttention ``score_mod`` + block masks;
+* ``fallback``   :mod:`.reference` with each query block's dense mask in fused SDPA, for biases
+                 that are not a function of m - n and positions that are not contiguous.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..positional.base import PositionalScheme, causal_distance
-from .toeplitz import (  # noqa: F401 - re-exported: the fast path's names keep their old import path
-    _TOEPLITZ_BLOCK,
-    DistanceBias,
-    HankelSDPA,
-    _antidiag_sums,
-    _table_dtype,
-    _tiled_softmax,
-    _toeplitz,
-    arange_start,
-    hankel_ok,
-    hankel_view,
-    is_toeplitz,
-)
+from ..io import UserError
+from ..positional.base import PositionalScheme
+from . import flex
+from .reference import LogitsSink, dense_attention
+from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
+from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
 
-BiasFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+IMPLS = ("auto", "sdpa", "plain", "blocked", "flex")
 
 
 def flush_denormals(enable: bool = True) -> bool:
@@ -59,55 +48,63 @@ def flush_denormals(enable: bool = True) -> bool:
 
 @dataclass
 class AttnOptions:
-    impl: str = "auto"  # auto | sdpa | plain | blocked
+    impl: str = "auto"  # auto | sdpa | plain | blocked | flex (see select_path)
     block_size: int = 1024
     memory_budget_mb: float = 512.0
-    temperature: float = 1.0
+    #: softmax temperature tau dividing the whole logit: one value, or one per layer (alignment)
+    temperature: float | Sequence[float] = 1.0
     window: int | None = None  # evaluate "windowed@w": keys with k >= w are masked
     need_probs: bool = False
+    #: called by the reference path with every layer's tau = 1 logits, per query block (see
+    #: :data:`.reference.LogitsSink`); setting it routes every layer through the reference path
+    logits_sink: LogitsSink | None = None
+
+    def tau(self, layer: int) -> float:
+        """The temperature of layer ``layer``."""
+        t = self.temperature
+        if isinstance(t, (int, float)):
+            return float(t)
+        if not 0 <= layer < len(t):
+            raise UserError(f"AttnOptions.temperature has {len(t)} per-layer values but layer {layer} "
+                            "attends; give one temperature per layer or a single float")
+        return float(t[layer])
 
 
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
-    """[Lq, Lk] additive mask: -inf for future keys and (if window) keys at distance >= window."""
-    dist = causal_distance(q_pos, k_pos)  # [Lq, Lk]
-    bad = dist < 0
-    if window is not None:
-        bad = bad | (dist >= window)
-    return torch.zeros(dist.shape, device=q_pos.device).masked_fill(bad, -math.inf)
+def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
+    starts = bias.starts if isinstance(bias, DistanceBias) else arange_start
+    return starts(q_pos), starts(k_pos)
 
 
-def positional_logit_terms(
-    scheme: PositionalScheme, q_pos, k_pos, layer: int, window: int | None, bias: torch.Tensor | None
-):
-    """(weight [H,Lq,Lk] | None, additive [H|1, Lq, Lk]) for this block: scheme bias + mask."""
-    if isinstance(bias, DistanceBias):
-        bias = None
-    if bias is None and scheme.has_bias:
-        bias = scheme.bias(q_pos, k_pos, layer)  # [H, Lq, Lk], -inf masked
-    if bias is None or window is not None:
-        m = window_mask(q_pos, k_pos, window)[None]  # [1, Lq, Lk]
-        bias = m if bias is None else bias + m
-    weight = scheme.weight(q_pos, k_pos, layer) if scheme.has_weight else None
-    return weight, bias
+def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
+                same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32):
+    """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
-
-# ---- dense paths -------------------------------------------------------------------------
-def _manual(q, k, v, scale, weight, add, need_probs):
-    """Plain path. q [B,H,Lq,D], k/v [B,H,Lk,D], add [H|1,Lq,Lk]."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
-    if weight is not None:
-        s = s * weight.to(s.dtype)
-    s = s + add.to(s.dtype)  # broadcast over batch
-    p = torch.softmax(s if s.dtype == torch.float64 else s.float(), dim=-1).to(v.dtype)  # [B,H,Lq,Lk]
-    out = torch.matmul(p, v)  # [B, H, Lq, D]
-    return out, (p if need_probs else None)
-
-
-def _sdpa(q, k, v, scale, add):
-    mask = add.to(q.dtype)
-    if mask.dim() == 3:
-        mask = mask.unsqueeze(0)  # [1, H|1, Lq, Lk]: 4-D keeps the fused CPU kernel
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B,H,Lq,D]
+    q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
+    first positions (a, c) of contiguous query / key positions, None where not contiguous.
+    """
+    _, H, Lq, D = q_shape
+    impl = opts.impl
+    if impl not in IMPLS:
+        raise UserError(f"unknown attention impl {impl!r}; use one of {', '.join(IMPLS)}")
+    blocked = impl == "blocked"
+    too_big = H * Lq * Lk * 4 / 2**20 > opts.memory_budget_mb and Lq > opts.block_size
+    block = int(opts.block_size) if blocked or too_big else None
+    if opts.need_probs or opts.logits_sink is not None or impl == "plain":
+        return "reference", (None if opts.need_probs else int(opts.block_size) if opts.logits_sink else block)
+    bias_free = not scheme.has_bias and not scheme.has_weight
+    if bias_free and opts.window is None and same_pos and not blocked:
+        return "causal", None
+    a, c = starts
+    if not dense_bias and is_toeplitz(scheme, allow_weight=True) and a is not None and c is not None and c <= a:
+        if impl == "flex" or (impl == "auto" and not bias_free and device == "cuda" and Lq == Lk
+                              and flex.supported(device, D, dtype)):
+            if device == "cpu" and grad:
+                raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
+                                "use impl='auto' on CPU or run on CUDA")
+            return "flex", None
+        tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
+        return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
+    return "fallback", block
 
 
 def attend(
@@ -129,64 +126,28 @@ def attend(
     """
     opts = opts or AttnOptions()
     if rotate:
-        q, k = scheme.rotate(q, k, q_pos, k_pos)  # rotate
-    tau = float(opts.temperature)
-    scale = 1.0 / math.sqrt(q.shape[-1]) / tau  # scale (and temperature)
-    H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
-    impl = opts.impl
-    too_big = H * Lq * Lk * 4 / 2**20 > opts.memory_budget_mb and Lq > opts.block_size
-    if opts.need_probs:
-        impl = "plain"
-    if impl in ("sdpa", "auto") and not scheme.has_bias and not scheme.has_weight and opts.window is None \
-            and tau == 1.0 and Lq == Lk and torch.equal(q_pos, k_pos):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return out, None
-    if impl != "plain" and (bias is None or isinstance(bias, DistanceBias)) \
-            and is_toeplitz(scheme, allow_weight=True):
-        starts = bias.starts if isinstance(bias, DistanceBias) else arange_start
-        a, c = starts(q_pos), starts(k_pos)
-        if a is not None and c is not None and c <= a:
-            db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, _table_dtype(q))
-            blocked = impl == "blocked" or (impl == "auto" and Lq > min(opts.block_size, _TOEPLITZ_BLOCK))
-            return _toeplitz(q, k, v, a, c, db, layer, opts, scale, tau, blocked), None
-    if isinstance(bias, DistanceBias):
-        bias = bias.dense(layer, q_pos, k_pos)  # [H', Lq, Lk]
-    if impl in ("sdpa", "auto") and scheme.has_weight:
-        impl = "blocked" if impl == "auto" and too_big else "plain"  # no fused multiplicative path
-    if impl == "auto":
-        impl = "blocked" if too_big else "sdpa"
-    if impl == "blocked":
-        return _blocked(q, k, v, q_pos, k_pos, scheme, layer, opts, scale, tau), None
-    weight, add = positional_logit_terms(scheme, q_pos, k_pos, layer, opts.window, bias)
-    if tau != 1.0:
-        add = add / tau  # temperature divides the whole logit; scale already carries 1/tau
-    if impl == "sdpa":
-        return _sdpa(q, k, v, scale, add), None
-    return _manual(q, k, v, scale, weight, add, opts.need_probs)
-
-
-def _blocked(q, k, v, q_pos, k_pos, scheme, layer, opts, scale, tau):
-    """Query blocks; keys limited to those a block can see (causal, window). O(H·block·Lk) memory."""
-    B, H, Lq, D = q.shape
-    out = torch.empty_like(q)  # [B, H, Lq, D]
-    per_row = B * H * k.shape[2] * 4 * (3 if scheme.has_weight else 1)  # bytes of dense terms
-    bs = max(1, min(int(opts.block_size), int(opts.memory_budget_mb * 2**20 // per_row)))
-    sorted_keys = bool(torch.all(k_pos[1:] >= k_pos[:-1])) if k_pos.numel() > 1 else True
-    for s in range(0, Lq, bs):
-        e = min(Lq, s + bs)
-        qp = q_pos[s:e]  # [bq]
-        lo, hi = 0, k.shape[2]
-        if sorted_keys:  # keys after the block's last query are all masked: skip them
-            hi = int(torch.searchsorted(k_pos, qp.max(), right=True))
-            if opts.window is not None:
-                lo = int(torch.searchsorted(k_pos, qp.min() - opts.window + 1))
-        kp = k_pos[lo:hi]
-        weight, add = positional_logit_terms(scheme, qp, kp, layer, opts.window, None)
-        if tau != 1.0:
-            add = add / tau
-        qb, kb, vb = q[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi]  # [B,H,bq,D], [B,H,bk,D]
-        if weight is None:
-            out[:, :, s:e] = _sdpa(qb, kb, vb, scale, add)
-        else:
-            out[:, :, s:e] = _manual(qb, kb, vb, scale, weight, add, False)[0]
-    return out
+        q, k = scheme.rotate(q, k, q_pos, k_pos)
+    tau = opts.tau(layer)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dense = bias if isinstance(bias, torch.Tensor) else None
+    bias_free = not scheme.has_bias and not scheme.has_weight and opts.window is None
+    same = bias_free and q.shape[2] == k.shape[2] and torch.equal(q_pos, k_pos)  # (a device sync: only when it matters)
+    starts = _contiguous_starts(bias, q_pos, k_pos) if dense is None else (None, None)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    path, block = select_path(q.device.type, scheme, opts, q.shape, k.shape[2], same_pos=same,
+                              starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype)
+    if path == "causal":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale / tau), None
+    if path in ("toeplitz", "flex"):
+        db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, table_dtype(q))
+        if path == "flex":
+            return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=scale, tau=tau,
+                                            window=opts.window), None
+        return toeplitz_attention(q, k, v, *starts, db, layer, scale=scale / tau, tau=tau,
+                                  window=opts.window, block=block), None
+    if path == "fallback" and block is not None:  # rows per block within the memory budget
+        per_row = q.shape[0] * q.shape[1] * k.shape[2] * 4 * (3 if scheme.has_weight else 1)
+        block = max(1, min(block, int(opts.memory_budget_mb * 2**20 // per_row)))
+    return dense_attention(q, k, v, q_pos, k_pos, scheme, layer, tau=tau, window=opts.window, bias=dense,
+                           block=block, fused=path == "fallback", need_probs=opts.need_probs,
+                           sink=opts.logits_sink)

@@ -4,7 +4,8 @@ Positions are explicit inputs; the model has no maximum length except learned AP
 ``check_length`` refuses longer inputs with a one-line error. One scheme instance is shared by
 every layer (T5/KERPLE parameters are per head, shared across layers, as in HF T5 and the
 official KERPLE code). A relative bias is computed once per forward as an O(H·L) distance table
-(:class:`~.attention.DistanceBias`) shared by every layer; other biases as one [H, L, L] tensor.
+(:class:`~.tables.DistanceBias`) shared by every layer; other biases as one [H, L, L] tensor when
+it fits the memory budget. Attention itself is :func:`~.attention.attend` (docs/attention.md).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from torch import nn
 
 from .. import positional
 from ..positional.base import PositionalScheme
-from .attention import AttnOptions, DistanceBias, attend, is_toeplitz
+from .attention import AttnOptions, attend
+from .tables import DistanceBias, is_toeplitz
 
 
 @dataclass
@@ -161,8 +163,7 @@ class Block(nn.Module):
         else:
             q, k = scheme.rotate(q, k, pos, pos)  # cache rotated keys at their absolute positions
             k, v, kpos = cache.extend(self.index, k, v, pos)
-            db = bias if isinstance(bias, DistanceBias) else None
-            out, probs = attend(q, k, v, pos, kpos, scheme, self.index, opts, db, rotate=False)
+            out, probs = attend(q, k, v, pos, kpos, scheme, self.index, opts, bias, rotate=False)
         y = self.proj(out.transpose(1, 2).reshape(B, L, C))  # [B, L, C]
         x = x + self.drop(y)
         x = x + self.drop(self.mlp(self.ln2(x)))
@@ -228,12 +229,12 @@ class GPT(nn.Module):
             opts = AttnOptions(**{**opts.__dict__, "need_probs": True})
         x = self.embed(idx, positions) if inputs_embeds is None else inputs_embeds
         x = self.drop(x)
-        bias = None
-        if is_toeplitz(self.scheme, allow_weight=True) and not opts.need_probs and opts.impl != "plain":
+        bias = None  # shared by every layer's attend()
+        if is_toeplitz(self.scheme, allow_weight=True):
             tdt = torch.float64 if self.tok.weight.dtype == torch.float64 else torch.float32
             bias = DistanceBias(self.scheme, dev, tdt)  # O(H·L) tables, built once, shared by layers
         elif cache is None and self.scheme.has_bias and not self.scheme.layer_dependent \
-                and opts.impl in ("sdpa", "plain", "auto") and not self._too_big(L, opts):
+                and opts.impl in ("sdpa", "auto") and not self._too_big(L, opts):
             bias = self.scheme.bias(positions, positions, 0)  # [H, L, L] once for all layers
         all_probs = []
         for blk in self.blocks:

@@ -1,15 +1,15 @@
-"""Toeplitz fast path of :func:`.attention.attend` (docs/architecture.md, "Attention paths").
+"""Toeplitz fast path of :func:`.attention.attend` (docs/attention.md).
 
 Applies to relative schemes at contiguous positions (multiplicative kernels too, see below): with the
 queries in reverse order the bias b(m - n) depends on (row + column) only, so the 4-D mask is a
 zero-copy ``as_strided`` view (strides 1, 1) of one O(H·L) "Hankel" vector built from the scheme's
-distance table, once per forward and shared by every layer (:class:`DistanceBias`). No L x L bias
-ever exists, so 64k-token evaluation costs O(H·L) bias memory. Learnable tables (KERPLE, T5,
-sliding-dilated r) go through :class:`HankelSDPA`: fused flash forward with the detached mask and a
-backward that recomputes P row-chunk by row-chunk in cache, skips masked key ranges and returns the
-table gradient as anti-diagonal sums of dS = P ⊙ (dP − rowsum(dO ⊙ O)). Multiplicative kernels
-(KERPLE wht) use the same Hankel views in a tiled online softmax (:func:`_tiled_softmax`), with
-the same chunked backward when anything needs a gradient.
+distance table, once per forward and shared by every layer (:class:`.tables.DistanceBias`). No
+L x L bias ever exists, so 64k-token evaluation costs O(H·L) bias memory. Learnable tables (KERPLE,
+T5, sliding-dilated r) go through :class:`HankelSDPA`: fused flash forward with the detached mask
+and a backward that recomputes P row-chunk by row-chunk in cache, skips masked key ranges and
+returns the table gradient as anti-diagonal sums of dS = P ⊙ (dP − rowsum(dO ⊙ O)).
+Multiplicative kernels (KERPLE wht) use the same Hankel views in a tiled online softmax
+(:func:`tiled_softmax`), with the same chunked backward when anything needs a gradient.
 
 Shapes: q [B,H,Lq,D], k/v [B,H,Lk,D]; distance tables [H|1, n]; Hankel vectors ext [H|1, X].
 """
@@ -20,137 +20,20 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..positional.base import PositionalScheme, RelativeBias, causal_distance
+from .tables import DistanceBias
 
-# Tuned on the 2-core dev CPU (torch 2.13, AVX-512); see eval/bench.py for the measurements.
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_TOEPLITZ_BLOCK = 512  # query rows per block on the Toeplitz path (best of 64..2048 at 4k-16k)
-_WEIGHTED_TILE = (128, 512)  # (query rows, keys) per tile of the multiplicative-kernel path
-_CHUNK_ELEMS = 1 << 17  # HankelSDPA backward works on ~0.5 MB score chunks (fit in L2)
+#: The fused CPU kernel that returns (out, logsumexp), which :class:`HankelSDPA` needs for its
+#: backward. Private to torch: tests/test_attention_paths.py checks its schema, so a torch upgrade
+#: that changes it fails loudly (without it, learnable tables fall back to a dense per-block mask).
+CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Block and chunk sizes below were chosen by hand on the 2-core dev CPU (torch 2.13, AVX-512);
+# no benchmark row records them, they only affect speed (every size is exact, see the tests).
+TOEPLITZ_BLOCK = 512  # query rows per block on the Toeplitz path
+WEIGHTED_TILE = (128, 512)  # (query rows, keys) per tile of the multiplicative-kernel path
+CHUNK_ELEMS = 1 << 17  # HankelSDPA backward works on ~0.5 MB score chunks (fit in L2)
 # torch.exp takes a ~30x slower path for arguments below -87.3 (results that underflow) and for
 # -inf; shifted logits are clamped first: masked entries get e^-80 ~ 2e-35 instead of 0
-_EXP_FLOOR = -80.0
-
-
-def is_toeplitz(scheme: PositionalScheme, allow_weight: bool = False) -> bool:
-    """True when the additive term depends on m - n only (or is absent); a multiplicative kernel
-    on q·k (KERPLE wht) must then also be a distance table and is accepted with ``allow_weight``."""
-    if not scheme.has_bias:
-        return not scheme.has_weight
-    if not isinstance(scheme, RelativeBias) or type(scheme).bias is not RelativeBias.bias:
-        return False
-    return not scheme.has_weight or (allow_weight and type(scheme).weight is RelativeBias.weight)
-
-
-def arange_start(pos: torch.Tensor) -> int | None:
-    """p0 if ``pos == p0 + arange(len(pos))``, else None."""
-    n = pos.numel()
-    if n == 0 or pos.dim() != 1:
-        return None
-    p0 = int(pos[0])
-    if n > 1 and (int(pos[-1]) - p0 != n - 1 or not bool(torch.all(pos[1:] - pos[:-1] == 1))):
-        return None
-    return p0
-
-
-class DistanceBias:
-    """One forward's distance tables ([H|1, n] for k = 0..n-1), shared by every layer.
-
-    ``hankel`` turns a table into the reversed-query layout ext[x] = f(dmax - x): the bias (then
-    window mask, then / tau; -inf for future keys) or, with ``kind="weight"``, the multiplicative
-    kernel (0 for future keys). Without autograd, ext is a slice of one master vector kept in the
-    scheme's table cache (grown by doubling, keyed on the parameter values for learned tables), so
-    every layer, length and decoding step reuses it (a master built under ``inference_mode`` is
-    rebuilt outside it: autograd may not save inference tensors, e.g. for input gradients after an
-    evaluation); with autograd it is built once per forward and keeps its graph, so the gradient
-    reaches the scheme's parameters once.
-    """
-
-    def __init__(self, scheme: PositionalScheme, device=None, dtype=torch.float32) -> None:
-        self.scheme, self.device, self.dtype = scheme, device, dtype
-        self._tables: dict = {}
-        self._hankels: dict = {}
-        self._fp: list = []  # parameter fingerprint, computed once per forward
-        self._starts: dict = {}  # id(pos) -> (pos, arange_start(pos)); pos kept alive
-
-    def starts(self, pos: torch.Tensor) -> int | None:
-        """:func:`arange_start`, memoised (within this forward) for position tensors layers share."""
-        hit = self._starts.get(id(pos))
-        if hit is None or hit[0] is not pos:
-            hit = self._starts[id(pos)] = (pos, arange_start(pos))
-        return hit[1]
-
-    def _key(self, layer: int) -> int:
-        return layer if self.scheme.layer_dependent else 0
-
-    def table(self, layer: int, n: int, kind: str = "bias") -> torch.Tensor:
-        key = (kind, self._key(layer))
-        t = self._tables.get(key)
-        if t is None or t.shape[-1] < n:
-            if kind == "weight":
-                dist = torch.arange(n, device=self.device)
-                t = self.scheme.weight_from_distance(dist, key[1]).to(self.dtype)  # [H, n]
-            elif self.scheme.has_bias:
-                t = self.scheme.distance_table(n, key[1], self.device, self.dtype)  # [H, n]
-            else:
-                t = torch.zeros(1, n, device=self.device, dtype=self.dtype)  # [1, n]
-            self._tables[key] = t
-        return t[:, :n]
-
-    def hankel(self, layer, dmax, size, window=None, tau=1.0, dtype=torch.float32, kind="bias"):
-        """(ext [H|1, size] with ext[x] = f(dmax - x), largest distance with a finite bias)."""
-        key = (kind, self._key(layer), window, float(tau), dtype)
-        if self.scheme.has_bias and self.scheme.learnable and torch.is_grad_enabled():
-            mkey = key + (dmax, size)
-            if mkey not in self._hankels:
-                self._hankels[mkey] = self._build(layer, dmax, size, window, tau, dtype, kind)
-            return self._hankels[mkey]
-        cache = self.scheme._table_cache
-        ckey = ("hankel", self.device) + key
-        hit = self.scheme.cached(ckey)  # (master, big, tail, dfin, params): master[y] = f(big - y)
-        if not self._fp:
-            ps = [p.detach().reshape(-1) for p in self.scheme.parameters()] if self.scheme.has_bias else []
-            self._fp.append(torch.cat(ps).clone() if ps else None)
-        params = self._fp[0]
-        if hit is None or hit[1] < dmax or hit[2] < size - dmax - 1 or not _same(hit[4], params):
-            grow = hit is not None and _same(hit[4], params)
-            big = max(dmax, 2 * hit[1] if grow else 0, 255)
-            tail = max(size - dmax - 1, 2 * hit[2] if grow else 0, 256)
-            with torch.no_grad():
-                master, dfin = self._build(layer, big, big + 1 + tail, window, tau, dtype, kind)
-            hit = cache[ckey] = (master, big, tail, dfin, params)
-        start = hit[1] - dmax
-        return hit[0][:, start:start + size], hit[3]
-
-    def _build(self, layer, dmax, size, window, tau, dtype, kind) -> tuple[torch.Tensor, int]:
-        t = self.table(layer, dmax + 1, kind)  # [H', dmax+1]
-        d = dmax - torch.arange(size, device=t.device)  # [size] distance of ext slot x
-        if kind == "weight":
-            return t[:, d.clamp(0, dmax)].masked_fill(d < 0, 0.0).to(dtype).contiguous(), dmax
-        ok = d >= 0
-        finite = torch.isfinite(t.detach()).any(0)  # [dmax+1]
-        if window is not None:
-            ok = ok & (d < window)
-            finite = finite & (torch.arange(dmax + 1, device=t.device) < window)
-        ext = t[:, d.clamp(0, dmax)].masked_fill(~ok, -math.inf)  # [H', size]
-        if tau != 1.0:
-            ext = ext / tau
-        dfin = int(finite.nonzero().max()) if bool(finite.any()) else 0
-        return ext.to(dtype).contiguous(), dfin
-
-    def dense(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """[H', Lq, Lk] with -inf for future keys (for the plain path)."""
-        dist = causal_distance(q_pos, k_pos)  # [Lq, Lk]
-        t = self.table(layer, int(dist.max().clamp(min=0)) + 1)
-        return t[:, dist.clamp(min=0)].masked_fill(dist < 0, -math.inf)
-
-
-def _table_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+EXP_FLOOR = -80.0
 
 
 def hankel_view(ext: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
@@ -178,7 +61,7 @@ def hankel_ok(device: torch.device) -> bool:
     return _PROBE[kind]
 
 
-def _antidiag_sums(m: torch.Tensor) -> torch.Tensor:
+def antidiag_sums(m: torch.Tensor) -> torch.Tensor:
     """m [H, R, C] -> [H, R+C-1]: out[h, x] = sum over u + w = x of m[h, u, w]."""
     H, R, C = m.shape
     pad = torch.cat([m, m.new_zeros(H, R, R)], dim=2)  # [H, R, C+R]: wrap-arounds read zeros
@@ -186,13 +69,13 @@ def _antidiag_sums(m: torch.Tensor) -> torch.Tensor:
     return view.sum(-1)
 
 
-def _tiled_softmax(q, k, v, ext, wext, off: int, scale: float, need_lse: bool = True):
+def tiled_softmax(q, k, v, ext, wext, off: int, scale: float, need_lse: bool = True):
     """softmax((q·k·scale)·w + b) v with w, b Hankel views of wext, ext at ``off``: q [B,H,R,D]
-    (reversed rows), k/v [B,H,C,D]. Online softmax over key tiles of at most ~2·_CHUNK_ELEMS
+    (reversed rows), k/v [B,H,C,D]. Online softmax over key tiles of at most ~2·CHUNK_ELEMS
     scores, so the work stays in cache (flash-style). Returns (out [B,H,R,D], logsumexp [B,H,R])."""
     B, H, R, D = q.shape
-    C, cols = k.shape[2], min(k.shape[2], _WEIGHTED_TILE[1])
-    nb = max(1, 2 * _CHUNK_ELEMS // (H * R * cols))  # batch rows per tile
+    C, cols = k.shape[2], min(k.shape[2], WEIGHTED_TILE[1])
+    nb = max(1, 2 * CHUNK_ELEMS // (H * R * cols))  # batch rows per tile
     out, lse = torch.empty_like(q), q.new_empty(B, H, R)
     if C <= cols and B <= nb:  # one tile (decoding, short blocks): plain max-shifted softmax
         s = torch.matmul(q * scale, k.transpose(-1, -2))  # [B, H, R, C]
@@ -201,7 +84,7 @@ def _tiled_softmax(q, k, v, ext, wext, off: int, scale: float, need_lse: bool = 
             return torch.matmul(torch.softmax(s, dim=-1), v), None
         mx = s.amax(-1, keepdim=True)
         mx = mx.masked_fill(mx == -math.inf, 0.0)  # rows with no visible key
-        p = s.sub_(mx).clamp_(min=_EXP_FLOOR).exp_()
+        p = s.sub_(mx).clamp_(min=EXP_FLOOR).exp_()
         den = p.sum(-1, keepdim=True)
         return torch.matmul(p, v) / den, (mx + den.log()).squeeze(-1)
     for b0 in range(0, B, nb):
@@ -216,7 +99,7 @@ def _tiled_softmax(q, k, v, ext, wext, off: int, scale: float, need_lse: bool = 
             s.mul_(hankel_view(wext, off + j0, R, j1 - j0)).add_(hankel_view(ext, off + j0, R, j1 - j0))
             new = torch.maximum(mx, s.amax(-1, keepdim=True))
             safe = new.masked_fill(new == -math.inf, 0.0)  # rows that saw no key yet
-            p = s.sub_(safe).clamp_(min=_EXP_FLOOR).exp_()
+            p = s.sub_(safe).clamp_(min=EXP_FLOOR).exp_()
             corr = (mx - safe).exp_()
             den.mul_(corr).add_(p.sum(-1, keepdim=True))
             acc.mul_(corr).add_(torch.matmul(p, v[b0:b1, :, j0:j1]))
@@ -232,7 +115,7 @@ class HankelSDPA(torch.autograd.Function):
 
     q [B,H,R,D] (rows in reversed order), k/v [B,H,C,D], ext/wext [H, X]; ext[x] is finite only
     for lo_x <= x <= hi_x (the rest -inf, gradient 0). Forward: the fused flash kernel with the
-    detached mask (or :func:`_tiled_softmax` with a kernel). Backward: P recomputed chunk by chunk
+    detached mask (or :func:`tiled_softmax` with a kernel). Backward: P recomputed chunk by chunk
     from the saved logsumexp; table gradients are anti-diagonal sums of dS (and of dS ⊙ q·k·scale).
     """
 
@@ -240,9 +123,9 @@ class HankelSDPA(torch.autograd.Function):
     def forward(ctx, q, k, v, ext, wext, off, lo_x, hi_x, scale):
         if wext is None:
             mask = hankel_view(ext.detach(), off, q.shape[2], k.shape[2])  # [1, H, R, C]
-            out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)  # [B,H,R,D], [B,H,R]
+            out, lse = CPU_FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)  # [B,H,R,D], [B,H,R]
         else:
-            out, lse = _tiled_softmax(q, k, v, ext.detach(), wext.detach(), off, scale)
+            out, lse = tiled_softmax(q, k, v, ext.detach(), wext.detach(), off, scale)
         ctx.save_for_backward(q, k, v, ext, wext, out, lse)
         ctx.geom = (off, lo_x, hi_x, scale)
         return out
@@ -262,13 +145,13 @@ class HankelSDPA(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         gext = torch.zeros_like(extd)  # [H, X]
         gw = None if wd is None else torch.zeros_like(wd)
-        rows = max(8, min(R, _CHUNK_ELEMS // max(1, H * C)))
+        rows = max(8, min(R, CHUNK_ELEMS // max(1, H * C)))
         for r0 in range(0, R, rows):
             r1 = min(R, r0 + rows)
             j0, j1 = max(0, lo_x - off - (r1 - 1)), min(C, hi_x - off - r0 + 1)  # visible keys
             if j1 <= j0:
                 continue
-            nb = max(1, _CHUNK_ELEMS // (H * (r1 - r0) * (j1 - j0)))
+            nb = max(1, CHUNK_ELEMS // (H * (r1 - r0) * (j1 - j0)))
             kc, vc = k[:, :, j0:j1], v[:, :, j0:j1]  # [B, H, c, D]
             m = hankel_view(extd, off + r0 + j0, r1 - r0, j1 - j0)  # [1, H, r, c]
             w = None if wd is None else hankel_view(wd, off + r0 + j0, r1 - r0, j1 - j0)
@@ -278,7 +161,7 @@ class HankelSDPA(torch.autograd.Function):
                 b1 = min(B, b0 + nb)
                 raw = torch.matmul(qs[b0:b1, :, r0:r1], kc[b0:b1].transpose(-1, -2))  # [b,H,r,c]
                 s = raw.add_(m) if w is None else (raw * w).add_(m)  # logits
-                p = s.sub_(lse[b0:b1, :, r0:r1]).clamp_(min=_EXP_FLOOR).exp_()  # P
+                p = s.sub_(lse[b0:b1, :, r0:r1]).clamp_(min=EXP_FLOOR).exp_()  # P
                 gc = g[b0:b1, :, r0:r1]  # [b, H, r, D]
                 ds = torch.matmul(gc, vc[b0:b1].transpose(-1, -2)).sub_(di[b0:b1, :, r0:r1]).mul_(p)
                 acc += ds[0] if b1 - b0 == 1 else ds.sum(0)
@@ -290,29 +173,33 @@ class HankelSDPA(torch.autograd.Function):
                 dk[b0:b1, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qs[b0:b1, :, r0:r1])
                 dv[b0:b1, :, j0:j1] += torch.matmul(p.transpose(-1, -2), gc)
             x0, x1 = off + r0 + j0, off + r0 + j0 + (r1 - r0) + (j1 - j0) - 1
-            gext[:, x0:x1] += _antidiag_sums(acc)
+            gext[:, x0:x1] += antidiag_sums(acc)
             if gw is not None:
-                gw[:, x0:x1] += _antidiag_sums(accw)
+                gw[:, x0:x1] += antidiag_sums(accw)
         return dq, dk, dv, gext, gw, None, None, None, None
 
 
-def _toeplitz(q, k, v, a: int, c: int, db: DistanceBias, layer, opts, scale, tau, blocked):
-    """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c..; c <= a. Returns [B,H,Lq,D]."""
+def toeplitz_attention(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *, scale: float,
+                       tau: float = 1.0, window: int | None = None, block: int | None = None):
+    """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c..; c <= a. Returns [B,H,Lq,D].
+
+    ``scale`` multiplies q·k and already carries 1/tau; the bias table is divided by ``tau`` here.
+    ``block``: query rows per fused call (None: one call; the wht path always tiles)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dmax = a + Lq - 1 - c  # largest distance (last query, first key)
     weighted = db.scheme.has_weight
-    if not db.scheme.has_bias and not weighted and opts.window is None and c + Lk - 1 <= a:
+    if not db.scheme.has_bias and not weighted and window is None and c + Lk - 1 <= a:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)  # every key visible
-    ext, dfin = db.hankel(layer, dmax, Lq + Lk - 1, opts.window, tau, q.dtype)  # [H', Lq+Lk-1]
+    ext, dfin = db.hankel(layer, dmax, Lq + Lk - 1, window, tau, q.dtype)  # [H', Lq+Lk-1]
     wext = db.hankel(layer, dmax, Lq + Lk - 1, dtype=q.dtype, kind="weight")[0] if weighted else None
     if weighted:  # manual tiles: autograd when anything needs a gradient
         learn = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, ext, wext))
-        fused, bs = True, _WEIGHTED_TILE[0]
+        fused, bs = True, WEIGHTED_TILE[0]
     else:
         learn = ext.requires_grad and torch.is_grad_enabled()
-        fused = q.device.type == "cpu" and hankel_ok(q.device) and (not learn or _FLASH is not None)
-        bs = max(1, min(int(opts.block_size), _TOEPLITZ_BLOCK)) if blocked else Lq
+        fused = q.device.type == "cpu" and hankel_ok(q.device) and (not learn or CPU_FLASH is not None)
+        bs = max(1, int(block)) if block else Lq
     qf = q.flip(2) if Lq > 1 else q  # reversed queries: row r is query Lq-1-r
     outs = []
     for r0 in range(0, Lq, bs):
@@ -323,7 +210,7 @@ def _toeplitz(q, k, v, a: int, c: int, db: DistanceBias, layer, opts, scale, tau
         if learn and fused:
             o = HankelSDPA.apply(qb, kb, vb, ext, wext, r0 + lo, dmax - dfin, dmax, scale)
         elif weighted:
-            o = _tiled_softmax(qb, kb, vb, ext, wext, r0 + lo, scale, need_lse=False)[0]
+            o = tiled_softmax(qb, kb, vb, ext, wext, r0 + lo, scale, need_lse=False)[0]
         else:
             m = hankel_view(ext, r0 + lo, r1 - r0, hi - lo)  # [1, H', bq, bk]
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=m if fused else m.contiguous(),

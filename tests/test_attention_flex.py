@@ -1,0 +1,229 @@
+"""FlexAttention path (model/flex.py, docs/attention.md): its score_mod / mask_mod / block mask
+against the reference path for every registered bias scheme (CPU forward, eager), the gradient to
+learnable tables, when attend() picks it, and on CUDA (`-m gpu`) forward and gradients of a whole
+model in fp32 and bf16 against the plain path."""
+import math
+
+import pytest
+import torch
+
+from extrapolab import positional
+from extrapolab.io import UserError
+from extrapolab.model import flex
+from extrapolab.model.attention import AttnOptions, attend, select_path
+from extrapolab.model.gpt import GPT, ModelConfig
+
+pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention")
+BIAS_SCHEMES = [n for n in positional.names() if positional.build(n, num_heads=1).has_bias]
+
+
+def _scheme(name, heads=3, seed=3):
+    s = positional.build(name, num_heads=heads)
+    with torch.no_grad():  # learnable parameters away from their (often zero) init
+        for p in s.parameters():
+            p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.5)
+    s.constrain_()
+    return s
+
+
+def _qkv(B, H, Lq, Lk, D, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, Lq, D, generator=g, dtype=dtype),
+            *(torch.randn(B, H, Lk, D, generator=g, dtype=dtype) for _ in range(2)))
+
+
+@pytest.mark.parametrize("name", BIAS_SCHEMES)
+def test_flex_forward_on_cpu_equals_reference_for_every_scheme(name):
+    """Score and mask functions of the CUDA path, run by eager FlexAttention on the CPU: several
+    128-blocks, queries after a cached prefix, window, temperature, every sliding-dilated level."""
+    s = _scheme(name)
+    levels = range(4) if s.layer_dependent else [0]
+    with torch.no_grad():
+        for Lq, Lk in ((300, 300), (130, 200)):
+            q, k, v = _qkv(1, 3, Lq, Lk, 16)
+            k_pos = torch.arange(Lk) + 5
+            q_pos = k_pos[-Lq:]  # the newest Lq positions (a chunk after a KV cache)
+            for layer in levels:
+                for kw in ({}, {"window": 37}, {"temperature": 0.6}):
+                    ref, _ = attend(q, k, v, q_pos, k_pos, s, layer, AttnOptions(impl="plain", **kw))
+                    got, _ = attend(q, k, v, q_pos, k_pos, s, layer, AttnOptions(impl="flex", **kw))
+                    err = (got - ref).abs().max().item()
+                    assert err < 2e-5, (name, Lq, Lk, layer, kw, err)
+
+
+@pytest.mark.parametrize("name", ["kerple-log", "t5", "sliding-dilated", "kerple-bias-wht"])
+def test_flex_learnable_tables_receive_the_reference_gradient(name):
+    """Captured tables of the score_mod get gradients (on CPU FlexAttention allows it while q, k,
+    v need none); equal to autograd through the reference path."""
+    s = _scheme(name)
+    q, k, v = _qkv(2, 3, 200, 200, 16)
+    pos = torch.arange(200)
+    go = torch.randn(2, 3, 200, 16, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for impl in ("plain", "flex"):
+        out, _ = attend(q, k, v, pos, pos, s, 1, AttnOptions(impl=impl, temperature=0.8))
+        grads[impl] = torch.autograd.grad(out, list(s.parameters()), go)
+    for a, b in zip(grads["flex"], grads["plain"]):
+        assert a.abs().max() > 0 and torch.allclose(a, b, rtol=1e-4, atol=1e-6), (name, (a - b).abs().max())
+
+
+def _dense_blocks(num, idx, KB):
+    out = torch.zeros(num.shape[-1], KB, dtype=torch.bool)  # [QB, KB]
+    for r in range(num.shape[-1]):
+        out[r, idx[0, 0, r, :num[0, 0, r]].long()] = True
+    return out
+
+
+@pytest.mark.parametrize("Lq,Lk,off,block", [(300, 300, 0, 128), (70, 260, 190, 32), (257, 257, 0, 64)])
+def test_block_mask_from_prefix_sums_equals_create_block_mask(Lq, Lk, off, block):
+    """The analytic BlockMask (no Lq x Lk tensor) has the same partial and full blocks as torch's
+    create_block_mask, which evaluates the mask_mod at every (query, key)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = off + Lq
+    d = torch.arange(n)
+    for finite in (torch.ones(n, dtype=torch.bool), d < 45, (d % 16 == 0) & (d < 64)):  # causal, window, dilation
+        mine = flex.block_mask(finite, Lq, Lk, off, block)
+        ref = create_block_mask(flex.mask_mod_for(finite, torch.tensor(off)), None, None, Lq, Lk,
+                                device="cpu", BLOCK_SIZE=block)
+        KB = math.ceil(Lk / block)
+        for a, b in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+            got = _dense_blocks(getattr(mine, a), getattr(mine, b), KB)
+            want = _dense_blocks(getattr(ref, a), getattr(ref, b), KB)
+            assert torch.equal(got, want), (a, finite[:20])
+
+
+def test_block_mask_is_cached_per_shape_and_window():
+    s = _scheme("alibi")
+    q, k, v = _qkv(1, 3, 150, 150, 16)
+    pos = torch.arange(150)
+    with torch.no_grad():
+        for window in (None, None, 40):
+            attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex", window=window))
+    keys = [key for key in s._table_cache if key[0] == "flexmask"]
+    assert len(keys) == 2 and {key[5] for key in keys} == {None, 40}
+
+
+def test_flex_selection_rules():
+    """attend() picks FlexAttention on CUDA for bias schemes of a full forward, never on CPU."""
+    kw = dict(same_pos=True, starts=(0, 0), dense_bias=False, grad=True)
+    for name in positional.names():
+        s = positional.build(name, num_heads=4)
+        for dev in ("cpu", "cuda"):
+            path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, **kw)
+            biased = s.has_bias or s.has_weight
+            want = ("flex" if dev == "cuda" and flex.supported("cuda", 64, torch.float32) else "toeplitz") \
+                if biased else "causal"
+            assert path == want, (name, dev, path)
+    alibi = positional.build("alibi", num_heads=4)
+    cases = [
+        (dict(opts=AttnOptions(), q=(1, 4, 1, 64), Lk=600, starts=(599, 0), same_pos=False), "toeplitz"),  # decoding
+        (dict(opts=AttnOptions(need_probs=True)), "reference"),
+        (dict(opts=AttnOptions(logits_sink=lambda *a: None)), "reference"),
+        (dict(opts=AttnOptions(), starts=(None, 0)), "fallback"),  # non-contiguous positions
+        (dict(opts=AttnOptions(), q=(2, 4, 512, 8)), "toeplitz"),  # head size FlexAttention does not tile
+        (dict(opts=AttnOptions(impl="sdpa")), "toeplitz"),
+    ]
+    for case, want in cases:
+        c = {"q": (2, 4, 512, 64), "Lk": 512, **kw, **case}
+        path, _ = select_path("cuda", alibi, c.pop("opts"), c.pop("q"), c.pop("Lk"), **c)
+        assert path == want, (case, path)
+
+
+def test_flex_on_cpu_with_input_gradients_is_a_one_line_error():
+    s = positional.build("alibi", num_heads=2)
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 2, 20, 20, 16))
+    with pytest.raises(UserError, match="impl='auto'") as err:
+        attend(q, k, v, torch.arange(20), torch.arange(20), s, 0, AttnOptions(impl="flex"))
+    assert "\n" not in str(err.value)
+
+
+# ---- CUDA: the path training and evaluation take there ------------------------------------------
+def _gpt(name):
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=64, heads=4, layers=2, train_length=256)).cuda()
+    with torch.no_grad():
+        for p in m.scheme.parameters():
+            p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(1)).cuda() * 0.5)
+    m.constrain_()
+    return m
+
+
+def _run(m, idx, impl, dtype):
+    m.zero_grad()
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+        out = m(idx, opts=AttnOptions(impl=impl))
+    out.float().square().mean().backward()
+    return out.float().detach(), {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", BIAS_SCHEMES)
+def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, monkeypatch):
+    """On CUDA a training step takes FlexAttention (auto) and matches the plain path: in fp32 to
+    fp32 rounding; in bf16 within twice the plain path's own bf16 error against fp32 (plus 1e-3)."""
+    m = _gpt(name)
+    idx = torch.randint(0, 64, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    calls = []
+    real = flex.flex_attention_path
+    monkeypatch.setattr(flex, "flex_attention_path", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    o_ref, g_ref = _run(m, idx, "plain", torch.float32)
+    o, g = _run(m, idx, "auto", dtype)
+    assert len(calls) == 2, "auto did not take the FlexAttention path"  # one per layer
+    assert g.keys() == g_ref.keys() and any("scheme" in n for n in g) == m.scheme.learnable
+    if dtype == torch.float32:
+        assert _rel(o, o_ref) < 1e-5, name
+        for n, want in g_ref.items():
+            assert _rel(g[n], want) < 1e-4, (name, n, _rel(g[n], want))
+        return
+    o_low, g_low = _run(m, idx, "plain", dtype)
+    assert _rel(o, o_ref) <= 2 * _rel(o_low, o_ref) + 1e-3, name
+    for n, want in g_ref.items():
+        assert _rel(g[n], want) <= 2 * _rel(g_low[n], want) + 1e-3, (name, n, _rel(g[n], want), _rel(g_low[n], want))
+
+
+@pytest.mark.gpu
+def test_cuda_auto_takes_flex_and_long_forward_has_no_LxL_tensor():
+    assert flex.supported("cuda", 16, torch.bfloat16)
+    s = positional.build("kerple-log", num_heads=4).cuda()
+    L = 32768  # one [H, L, L] bf16 score tensor would be 8 GiB
+    q, k, v = (torch.randn(1, 4, L, 16, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    pos = torch.arange(L, device="cuda")
+    with torch.no_grad():
+        attend(q, k, v, pos, pos, s, 0, AttnOptions())  # compile and cache
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        attend(q, k, v, pos, pos, s, 0, AttnOptions())
+        torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 256 * 2**20
+    assert len(flex._COMPILED) == 1
+
+
+@pytest.mark.slow
+def test_compiled_flex_equals_reference_without_recompiling(monkeypatch):
+    """The compiled kernel CUDA uses, run here on the CPU (forward; inductor's CPU template): equal
+    to the reference, and new temperatures, layers, offsets or schemes of the same form reuse the
+    compiled graph (captured 0-d tensors, not constants). Compiling takes minutes on a small CPU."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    monkeypatch.setattr(flex, "kernel", lambda device: compiled)
+    graphs = []
+    for name in ("alibi", "sliding-dilated", "kerple-bias-wht"):
+        s = _scheme(name, heads=2)
+        q, k, v = _qkv(1, 2, 256, 256, 16)
+        pos = torch.arange(256)
+        with torch.no_grad():
+            for layer, tau in ((0, 1.0), (1, 0.7), (0, 0.5)):
+                got, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(impl="flex", temperature=tau))
+                ref, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(impl="plain", temperature=tau))
+                assert (got - ref).abs().max() < 2e-5, (name, layer, tau)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] and graphs[2] == graphs[0] + 1  # the wht form is a second graph
