@@ -23,6 +23,7 @@ which HF has no rope type for, so it is applied as a new ``rope_theta`` of HF's 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +153,35 @@ def apply_rope(config, spec: str) -> dict:
     return new
 
 
+def _from_pretrained(tr, path: Path, attn: str, kw: dict):
+    try:
+        try:
+            model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)
+        except ValueError as e:
+            msg = str(e).lower()
+            if attn == "eager" or not ("attn" in msg or "attention" in msg):
+                raise
+            attn = "eager"  # the family has no such kernel (BLOOM, MPT): its own eager attention
+            model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the causal LM in {path}: {str(e).splitlines()[0]}; save it with "
+                        "save_pretrained (weights + config)") from None
+    return model, attn
+
+
+@contextmanager
+def _quiet(tr):
+    """No HF progress bars while loading a tiny or local model (restored after)."""
+    hl = tr.utils.logging
+    was = hl.is_progress_bar_enabled()
+    hl.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hl.enable_progress_bar()
+
+
 def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", attn: str = "sdpa",
             rope: str | None = None, train_length: int | None = None) -> HFModel:
     """Model (eval mode, on ``device``) + tokenizer from the local folder of ``spec``.
@@ -174,18 +204,8 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
                         "save_pretrained") from None
     rope_params = apply_rope(config, rope) if rope else None
     kw = dict(config=config, local_files_only=True, dtype=torch_dtype)
-    try:
-        try:
-            model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)
-        except ValueError as e:
-            msg = str(e).lower()
-            if attn == "eager" or not ("attn" in msg or "attention" in msg):
-                raise
-            attn = "eager"  # the family has no such kernel (BLOOM, MPT): its own eager attention
-            model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load the causal LM in {path}: {str(e).splitlines()[0]}; save it with "
-                        "save_pretrained (weights + config)") from None
+    with _quiet(tr):
+        model, attn = _from_pretrained(tr, path, attn, kw)
     try:
         tok = tr.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any failure means the folder has no usable tokenizer
