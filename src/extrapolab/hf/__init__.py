@@ -6,17 +6,12 @@ rope-scaling config); :mod:`.adapter` gives the E1-E4 protocols the call they ma
 Algorithm 1 target; :mod:`.data` our corpora in the model's tokenizer; :mod:`.erf` the ERF through
 the real input embeddings; :mod:`.evaluate` E1-E4 -> eval.json.
 """
-from .adapter import HFCausalLM
+from .adapter import HFCausalLM, open_hf
 from .data import hf_split, tokenizer_hash
 from .erf import hf_cumulative_gradient, hf_measure_erf
 from .evaluate import PROTOCOLS, check_hf_lengths, check_hf_protocols, evaluate_hf
 from .load import HFModel, apply_rope, default_out, hf_path, is_hf_spec, load_hf, parse_rope
 from .temperature import HFTarget, attention_modules, hf_temperature
-
-
-def open_hf(spec, **kw) -> HFCausalLM:
-    """``load_hf(spec, **kw)`` wrapped for the protocols (the usual entry point)."""
-    return HFCausalLM(load_hf(spec, **kw))
 
 
 __all__ = ["HFCausalLM", "HFModel", "HFTarget", "PROTOCOLS", "apply_rope", "attention_modules", "check_hf_lengths",

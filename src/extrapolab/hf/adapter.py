@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..io import UserError
-from .load import HFModel
+from .load import HFModel, load_hf
 from .temperature import hf_temperature
 
 
@@ -75,3 +75,8 @@ class HFCausalLM(nn.Module):
             else:
                 out = self.hf(input_ids=idx, use_cache=False)
         return out.logits  # [B, L, V]
+
+
+def open_hf(spec, **kw) -> HFCausalLM:
+    """``load_hf(spec, **kw)`` wrapped for the protocols (the usual entry point)."""
+    return HFCausalLM(load_hf(spec, **kw))

@@ -81,7 +81,7 @@ def erf_of_hf(spec, *, length: int | None = None, segments: int = 4, threshold: 
     (record, the curve c, L_tr). Default L_ex: 2·L_tr, within a learned-position model's table."""
     from .. import config as C
     from ..analysis.common import segments_from_stream
-    from . import open_hf
+    from .adapter import open_hf
     from .data import hf_split
 
     cfg = C.resolve(preset, overrides)
