@@ -211,3 +211,18 @@ def test_not_a_model_folder(tmp_path):
     with pytest.raises(UserError) as e:
         open_hf(f"hf:{tmp_path}")
     assert "save_pretrained" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_evaluate_hf_positionwise_only_and_unsupported_protocols(folders):
+    from extrapolab.config import EvalConfig
+    from extrapolab.eval import positionwise
+    from extrapolab.hf import evaluate_hf
+
+    m = _load(folders, "bloom")
+    tok = _stream(m)
+    res = evaluate_hf(m, tok, EvalConfig(protocols=["positionwise"], lengths=[64], position_segments=2), MAXPOS)
+    assert res["protocols"] == ["positionwise"] and res["ppl"] == {}
+    want = positionwise(m, tok, 64, n_segments=2)["nll"]
+    assert np.allclose(res["positionwise"]["nll"], want) and res["positionwise"]["window"] is None
+    with pytest.raises(UserError, match="not available for HF"):
+        evaluate_hf(m, tok, EvalConfig(protocols=["cached"]), MAXPOS)

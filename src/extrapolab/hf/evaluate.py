@@ -40,17 +40,23 @@ def model_block(model) -> dict:
             "attn_implementation": m.attn_implementation, **m.info}
 
 
+def _finite(x) -> list:
+    return [float(v) if np.isfinite(v) else None for v in x]  # strict JSON has no inf / nan
+
+
 def evaluate_hf(model, tokens, ecfg, train_length: int, progress: bool = False) -> dict:
     """``eval.evaluate`` with ``ecfg`` (an EvalConfig) on an ``HFCausalLM``; see module doc."""
     protos = check_hf_protocols(ecfg.protocols)
     by_length = [p for p in protos if p != "positionwise"]
-    sub = copy.deepcopy(ecfg)
-    sub.protocols = by_length or ["nonoverlapping"]
-    res = evaluate_config(model, tokens, sub, train_length, progress=progress)
-    if not by_length:
-        for key in ("nonoverlapping", "ppl", "verdict"):
-            res.pop(key, None)
-        res["seconds"].pop("nonoverlapping", None)
+    if by_length:
+        sub = copy.deepcopy(ecfg)
+        sub.protocols = by_length
+        res = evaluate_config(model, tokens, sub, train_length, progress=progress)
+    else:  # position-wise only: the same layout without per-length tables
+        res = {"train_length": int(train_length), "lengths": sorted({*map(int, ecfg.lengths), int(train_length)}),
+               "settings": {"position_segments": int(ecfg.position_segments), "batch_size": int(ecfg.batch_size),
+                            "temperature": float(ecfg.temperature), "stream_tokens": int(len(tokens))},
+               "seconds": {}, "ppl": {}, "verdict": {}}
     if "positionwise" in protos:
         t0 = time.perf_counter()
         L = int(ecfg.position_length) or max(res["lengths"])
@@ -58,8 +64,8 @@ def evaluate_hf(model, tokens, ecfg, train_length: int, progress: bool = False) 
             opts = AttnOptions(temperature=float(ecfg.temperature))
             pw = positionwise(model, tokens, L, n_segments=ecfg.position_segments, batch_size=ecfg.batch_size,
                               opts=opts, progress=progress)
-            res["positionwise"] = {"length": L, "segments": pw["segments"], "nll": pw["nll"].tolist(),
-                                   "ppl": [float(x) if np.isfinite(x) else None for x in pw["ppl"]],
+            res["positionwise"] = {"length": L, "segments": pw["segments"], "nll": _finite(pw["nll"]),
+                                   "ppl": _finite(pw["ppl"]),
                                    "window": None, "note": "no windowed@L_tr reference for HF models"}
         except UserError as err:
             res["positionwise"] = {"error": str(err), "length": L}
