@@ -70,10 +70,13 @@ def test_learned_positions_refuse_with_exit_2(env):
 
 @pytest.mark.parametrize("args", [["eval", "hf:/no/such/folder"], ["align", "hf:/no/such/folder"],
                                   ["eval", "hf:{gpt2}", "--rope", "linear:4"],
-                                  ["eval", "hf:{llama}", "--protocol", "cached"]])
+                                  ["eval", "hf:{llama}", "--protocol", "cached"],
+                                  ["eval", "hf:{llama}", "--temperature", "auto", "--out", "{root}/none"],
+                                  ["align", "retrieval", "hf:{llama}", "--rules", "pmax", "--out", "{root}/none"]])
 def test_bad_input_is_one_line(env, args):
-    args = [a.format(gpt2=env["gpt2"], llama=env["llama"]) for a in args]
-    r = CliRunner().invoke(app, [*args, "--device", "cpu", *env["sets"]])
+    args = [a.format(gpt2=env["gpt2"], llama=env["llama"], root=env["root"]) for a in args]
+    sets = [] if args[1] == "retrieval" else env["sets"]  # retrieval builds its prompts, reads no corpus
+    r = CliRunner().invoke(app, [*args, "--device", "cpu", *sets])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
 
 

@@ -78,6 +78,9 @@ def retrieval_hf(spec: str, task: str = "passkey", lengths: Sequence[int] | None
     examples = make_examples(task, lengths, depths, n, seed, tokenizer=HFCodec(model.loaded.tokenizer),
                              preamble=preamble)
     taus = {}
+    if any(canonical_rule(r) != "none" for r in rules) and not (out / "temperature.json").is_file():
+        raise UserError(f"no temperature.json in {out}; run `extrapolab align {spec} --out {out}` first or use "
+                        "--rules none")
     for rule in rules:
         r = canonical_rule(rule)
         taus[r] = {L: load_temperature(out, L, r) for L in lengths}  # fails before decoding if one is missing

@@ -93,6 +93,8 @@ def eval_hf(spec: str, *, protocols=None, lengths=None, temperature: str = "1.0"
     tokens = hf_split(cfg.data, model.loaded.tokenizer, ecfg.split)
     out = Path(out) if out else default_out(model.loaded)
     out.mkdir(parents=True, exist_ok=True)
+    if temperature == "auto" and not (out / "temperature.json").is_file():
+        raise UserError(f"no temperature.json in {out}; run `extrapolab align {spec} --out {out} --lengths ...` first")
     tau = _temperature(temperature, out, ecfg.lengths)
     res, md = _evaluate_taus(tau, ecfg, lambda e: evaluate_hf(model, tokens, e, L_tr))
     name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
