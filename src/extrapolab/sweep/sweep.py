@@ -119,7 +119,8 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
     db = ResultsDB(out / "results.sqlite")
     db.set_meta(name=base.name, preset=str(name_or_path), budget=spec.budget, reference=spec.reference,
                 train_length=base.model.train_length, lengths=base.eval.lengths,
-                protocols=base.eval.protocols, schemes=[s.label for s in spec.schemes] + [m.label for m in spec.models],
+                protocols=base.eval.protocols,
+                schemes=[s.label for s in spec.schemes] + [m.label for m in spec.models],
                 seeds=spec.seeds, datasets=spec.datasets)
     grid = [(d, s, seed) for d in spec.datasets for s in spec.schemes for seed in spec.seeds]
     todo = [(i, d, s, seed) for i, (d, s, seed) in enumerate(grid, 1) if db.status(run_id(d, s, seed)) != "done"]
