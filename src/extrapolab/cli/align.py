@@ -1,6 +1,7 @@
 """`extrapolab align ...`: softmax-temperature alignment (T1) and retrieval tasks (T2), thesis ch. 5.
 
     extrapolab align RUN [--lengths 512,1024,2048]    -> RUN/temperature.json (+ .png/.svg); Algorithm 1
+    extrapolab align hf:PATH [--lengths ...] [--out OUT]  the same on a local HF causal LM -> OUT/temperature.json
     extrapolab align temperature RUN [...]            the same (explicit verb; use it for a run folder
                                                       named like a verb below)
     extrapolab align retrieval RUN --task passkey [--rules none,pmax,entropy,length]
@@ -16,7 +17,7 @@ from typing import List, Optional, Sequence
 import typer
 from typer.core import TyperGroup
 
-from .common import friendly
+from .common import DeviceOpt, DtypeOpt, friendly
 
 DEFAULT_VERB = "temperature"
 
@@ -150,21 +151,38 @@ def hf_t5_cmd(model_dir: Path, text: Path, train_length: int, lengths: Sequence[
     return {"result": res, "table": align_table(res), "path": str(path), "figures": [str(f) for f in figs]}
 
 
+HF_HELP = "hf: only: "
+
+
 @app.command("temperature")
 @friendly
 def temperature(
-    run: Path = typer.Argument(..., help="run folder made by `extrapolab train`"),
+    run: str = typer.Argument(..., help="run folder made by `extrapolab train`, or hf:PATH (local HF causal LM)"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="comma-separated L_ex (default: eval.lengths > L_tr)"),
     modes: str = typer.Option("pmax,entropy", "--modes", help="Algorithm 1 modes: pmax, entropy"),
     segments: int = typer.Option(2, "--segments", help="sequences per length"),
     split: str = typer.Option("test", "--split"),
     which: str = typer.Option("best", "--checkpoint", help="best|last"),
     no_propagate: bool = typer.Option(False, "--no-propagate", help="re-temperature tau=1 logits only (one forward)"),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda | auto"),
+    device: str = DeviceOpt,
+    dtype: str = typer.Option("fp32", "--dtype", help=HF_HELP + "fp32 | bf16 | auto"),
+    out: Optional[Path] = typer.Option(None, "--out", help=HF_HELP + "output folder (default runs/hf-<name>)"),
+    rope: Optional[str] = typer.Option(None, "--rope", help=HF_HELP + "RoPE override, e.g. yarn:4"),
+    train_length: Optional[int] = typer.Option(None, "--train-length", help=HF_HELP + "L_tr (default: its config)"),
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help=HF_HELP + "preset whose data.* to align on"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help=HF_HELP + "config override, e.g. --set data.corpus=pydoc"),
 ):
     """Algorithm 1 (= `extrapolab align RUN`): tau per L_ex -> RUN/temperature.json for `eval --temperature auto`."""
-    res = align_cmd(run, _ints(lengths), modes.split(","), segments, split, which, not no_propagate, device=device,
-                    say=lambda m: typer.echo(m, err=True))
+    say = lambda m: typer.echo(m, err=True)  # noqa: E731
+    if run.startswith("hf:"):
+        from ..align.hf_causal import align_hf
+
+        res = align_hf(run, _ints(lengths), modes.split(","), segments, split, not no_propagate, out=out,
+                       preset=preset, overrides=set_, device=device, dtype=dtype, rope=rope,
+                       train_length=train_length, say=say)
+    else:
+        res = align_cmd(Path(run), _ints(lengths), modes.split(","), segments, split, which, not no_propagate,
+                        device=device, say=say)
     typer.echo(res["table"])
     typer.echo(f"wrote {res['path']} and {', '.join(res['figures'])}")
 
@@ -172,20 +190,33 @@ def temperature(
 @app.command("retrieval")
 @friendly
 def retrieval(
-    run: Path = typer.Argument(..., help="run folder made by `extrapolab train`"),
+    run: str = typer.Argument(..., help="run folder made by `extrapolab train`, or hf:PATH (local HF causal LM)"),
     task: str = typer.Option("passkey", "--task", help="passkey | kv"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="comma-separated lengths in tokens"),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="needle depths in [0, 1]"),
     n: int = typer.Option(5, "--n", help="examples per (length, depth)"),
-    rules: str = typer.Option("none,pmax,entropy,length", "--rules", help="temperature rules (none = tau 1)"),
+    rules: Optional[str] = typer.Option(None, "--rules", help="temperature rules (none = tau 1); default "
+                                        "none,pmax,entropy,length (hf: none)"),
     seed: int = typer.Option(0, "--seed"),
     which: str = typer.Option("best", "--checkpoint", help="best|last"),
     no_preamble: bool = typer.Option(False, "--no-preamble", help="omit the task instructions"),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda | auto"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
+    out: Optional[Path] = typer.Option(None, "--out", help=HF_HELP + "folder with temperature.json (default runs/hf-<name>)"),
+    rope: Optional[str] = typer.Option(None, "--rope", help=HF_HELP + "RoPE override, e.g. yarn:4"),
+    train_length: Optional[int] = typer.Option(None, "--train-length", help=HF_HELP + "L_tr (default: its config)"),
 ):
     """Passkey / key-value line retrieval accuracy vs length and depth, with and without alignment."""
-    res = retrieval_cmd(run, task, _ints(lengths), _floats(depths), n, rules.split(","), seed, which,
-                        not no_preamble, device=device)
+    if run.startswith("hf:"):
+        from ..align.hf_causal import retrieval_hf
+
+        res = retrieval_hf(run, task, _ints(lengths), _floats(depths), n, (rules or "none").split(","), seed,
+                           not no_preamble, out=out, device=device, dtype=dtype, rope=rope,
+                           train_length=train_length)
+    else:
+        res = retrieval_cmd(Path(run), task, _ints(lengths), _floats(depths), n,
+                            (rules or "none,pmax,entropy,length").split(","), seed, which, not no_preamble,
+                            device=device)
     typer.echo(res["table"])
     typer.echo(f"wrote {res['path']} and {', '.join(res['figures'])}")
 

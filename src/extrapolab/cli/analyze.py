@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import friendly
+from .common import DeviceOpt, DtypeOpt, friendly
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="analysis tools: erf, trf, bias, nope-variance, sharpness, all")
@@ -49,15 +49,18 @@ def _echo(obj, as_json: bool, lines: list[str]) -> None:
 @app.command()
 @friendly
 def erf(
-    runs: List[Path] = typer.Argument(..., help="one or more run folders (overlaid in one figure)"),
+    runs: List[str] = typer.Argument(..., help="run folders and/or hf:PATH models (overlaid in one figure)"),
     length: Optional[int] = typer.Option(None, "--length", help="L_ex: tokens per segment incl. the predicted one"),
     segments: int = typer.Option(4, "--segments", help="N segments averaged"),
     threshold: float = typer.Option(0.99, "--threshold"),
     eps: float = typer.Option(0.01, "--eps", help="eps of the TRF and of the attention ERF"),
     out: Path = typer.Option(Path("reports/analysis"), "--out", help="figure folder"),
     as_json: bool = typer.Option(False, "--json"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="hf: only: data.* override, e.g. --set data.corpus=pydoc"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
-    """A1: cumulative normalized gradient and ERF of trained runs; TRF-vs-ERF figure (Qin Figs. 5-6)."""
+    """A1: cumulative normalized gradient and ERF of trained runs and hf:PATH models; TRF-vs-ERF figure (Qin Figs. 5-6)."""
     from ..analysis import attention_erf, measure_erf, plot_erf, plot_trf_vs_erf, trf, trf_summary
     from ..analysis.common import segments_from_stream
     from ..analysis.runner import default_erf_length, load_run, test_stream
@@ -65,7 +68,17 @@ def erf(
     curves, records, lines = {}, [], []
     L_tr = None
     for run in runs:
-        model, cfg = load_run(run)
+        if run.startswith("hf:"):
+            from ..hf.erf import erf_of_hf
+
+            rec, curves_c, L_tr = erf_of_hf(run, length=length, segments=segments, threshold=threshold,
+                                            overrides=set_, device=device, dtype=dtype)
+            curves[rec["name"]] = curves_c
+            records.append(rec)
+            lines.append(f"{rec['name']}: ERF {rec['erf_tokens']} tokens (position {rec['erf_position']} of "
+                         f"{rec['L_ex']}), peak {rec['peak_memory_mb']:.0f} MB, {rec['seconds']:.1f} s")
+            continue
+        model, cfg = load_run(Path(run))
         stream = test_stream(cfg)
         L = length or default_erf_length(cfg, len(stream))
         segs = segments_from_stream(stream, L, segments)

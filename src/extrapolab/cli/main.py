@@ -16,7 +16,7 @@ import typer
 from . import align as align_cli
 from . import analyze as analyze_cli
 from . import regular as regular_cli
-from .common import friendly
+from .common import DeviceOpt, DtypeOpt, friendly
 
 app = typer.Typer(
     add_completion=False,
@@ -88,17 +88,28 @@ def train(
 @app.command("eval")
 @friendly
 def eval_(
-    run: Path = typer.Argument(..., help="run folder made by `extrapolab train`"),
+    run: str = typer.Argument(..., help="run folder made by `extrapolab train`, or hf:PATH (a local Hugging Face causal LM)"),
     protocol: Optional[List[str]] = typer.Option(None, "--protocol", help="nonoverlapping|sliding|last_token|positionwise|cached|recomputed (repeatable)"),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="comma-separated L_ex, e.g. 128,256,1024"),
     temperature: str = typer.Option("1.0", "--temperature", help="softmax temperature, or 'auto' (from `extrapolab align`)"),
     set_: Optional[List[str]] = SetOpt,
     which: str = typer.Option("best", "--checkpoint", help="best|last"),
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="hf: only: preset whose data.*/eval.* to use"),
+    out: Optional[Path] = typer.Option(None, "--out", help="hf: only: output folder (default runs/hf-<name>)"),
+    rope: Optional[str] = typer.Option(None, "--rope", help="hf: only: RoPE override linear|dynamic|yarn|ntk|llama3:FACTOR"),
+    train_length: Optional[int] = typer.Option(None, "--train-length", help="hf: only: L_tr (default: from its config)"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
-    """Evaluate a trained run with the protocols E1-E6; writes <run>/eval.json."""
-    from ..sweep.runs import eval_run
+    """Evaluate a trained run (or hf:PATH) with the protocols E1-E6; writes <run>/eval.json."""
+    from ..sweep.runs import eval_hf, eval_run
 
-    result = eval_run(run, protocols=protocol, lengths=lengths, temperature=temperature, overrides=set_, which=which)
+    if run.startswith("hf:"):
+        result = eval_hf(run, protocols=protocol, lengths=lengths, temperature=temperature, overrides=set_,
+                         preset=preset, out=out, device=device, dtype=dtype, rope=rope, train_length=train_length)
+    else:
+        result = eval_run(Path(run), protocols=protocol, lengths=lengths, temperature=temperature, overrides=set_,
+                          which=which)
     typer.echo(result["markdown"])
     typer.echo(f"wrote {result['path']}")
 

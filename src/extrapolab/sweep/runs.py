@@ -54,21 +54,52 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
     data = prepare(cfg.data, progress=False)
     tokens = data.split(ecfg.split)
     tau = _temperature(temperature, run, ecfg.lengths)
+    res, md = _evaluate_taus(tau, ecfg, lambda e: evaluate_config(model, tokens, e, cfg.model.train_length))
+    name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
+    atomic_write_json(run / name, res)
+    return {"result": res, "markdown": md, "path": run / name}
+
+
+def _evaluate_taus(tau, ecfg, run_fn) -> tuple[dict, str]:
+    """``run_fn(ecfg)`` at one temperature, or once per length with the per-length tau of `align`."""
     if isinstance(tau, dict):  # per-length temperature chosen by `extrapolab align`
         results = {}
         for L, t in tau.items():
             ecfg.temperature = t
-            sub = evaluate_config(model, tokens, _only(ecfg, L), cfg.model.train_length)
-            results[L] = sub
+            results[L] = run_fn(_only(ecfg, L))
         res = {"per_length_temperature": {str(k): v for k, v in tau.items()}, "runs": results}
-        md = "\n".join(f"L={L} τ={tau[L]}: " + _ppl_line(r) for L, r in results.items())
-    else:
-        ecfg.temperature = tau
-        res = evaluate_config(model, tokens, ecfg, cfg.model.train_length)
-        md = markdown_summary(res)
+        return res, "\n".join(f"L={L} τ={tau[L]}: " + _ppl_line(r) for L, r in results.items())
+    ecfg.temperature = tau
+    res = run_fn(ecfg)
+    return res, markdown_summary(res)
+
+
+def eval_hf(spec: str, *, protocols=None, lengths=None, temperature: str = "1.0", overrides=None,
+            preset: str | None = None, out: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+            rope: str | None = None, train_length: int | None = None) -> dict:
+    """`extrapolab eval hf:PATH`: E1-E4 on a local HF causal LM over our corpus (data.* / eval.* of the
+    preset and --set), tokenized with the model's tokenizer; writes OUT/eval.json."""
+    from ..hf import check_hf_lengths, check_hf_protocols, default_out, evaluate_hf, hf_split, open_hf
+
+    cfg = C.resolve(preset, overrides)
+    ecfg = cfg.eval
+    ecfg.protocols = check_hf_protocols(list(protocols) if protocols else ecfg.protocols)
+    ecfg.lengths = _lengths(lengths) or ecfg.lengths
+    model = open_hf(spec, device=device, dtype=dtype, rope=rope, train_length=train_length)
+    L_tr = model.loaded.train_length
+    if not L_tr:
+        raise UserError(f"{spec} names no pre-training length in its config; pass --train-length")
+    check_hf_lengths(model, [*ecfg.lengths, L_tr])
+    tokens = hf_split(cfg.data, model.loaded.tokenizer, ecfg.split)
+    out = Path(out) if out else default_out(model.loaded)
+    out.mkdir(parents=True, exist_ok=True)
+    if temperature == "auto" and not (out / "temperature.json").is_file():
+        raise UserError(f"no temperature.json in {out}; run `extrapolab align {spec} --out {out} --lengths ...` first")
+    tau = _temperature(temperature, out, ecfg.lengths)
+    res, md = _evaluate_taus(tau, ecfg, lambda e: evaluate_hf(model, tokens, e, L_tr))
     name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
-    atomic_write_json(run / name, res)
-    return {"result": res, "markdown": md, "path": run / name}
+    atomic_write_json(out / name, res)
+    return {"result": res, "markdown": md, "path": out / name}
 
 
 def _only(ecfg, L):

@@ -34,6 +34,26 @@ class SchemeSpec:
 
 
 @dataclass
+class ModelSpec:
+    """A pretrained model listed next to the trained runs (``models:`` in the sweep section)."""
+
+    source: str  # hf:PATH
+    label: str = ""
+    rope: str | None = None
+    train_length: int | None = None
+
+    @classmethod
+    def parse(cls, entry) -> "ModelSpec":
+        d = {"source": entry} if isinstance(entry, str) else dict(entry or {})
+        src = str(d.get("source") or d.get("path") or "")
+        if not src.startswith("hf:"):
+            raise UserError(f"sweep model entry {entry!r} must be hf:PATH or {{source: hf:PATH, label: ..., "
+                            "rope: yarn:4, train_length: ...}}")
+        label = str(d.get("label") or "hf:" + Path(src[3:]).name + (f"+{d['rope']}" if d.get("rope") else ""))
+        return cls(src, label, d.get("rope"), d.get("train_length"))
+
+
+@dataclass
 class SweepSpec:
     schemes: list[SchemeSpec]
     seeds: list[int]
@@ -41,6 +61,7 @@ class SweepSpec:
     reference: str
     budget: str = ""
     workers: int = 1  # runs trained in parallel processes (threads split between them)
+    models: list[ModelSpec] = field(default_factory=list)  # hf: models evaluated next to the runs
 
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
@@ -63,7 +84,8 @@ class SweepSpec:
         workers = int(d.get("workers", 1))
         if workers < 1:
             raise UserError(f"sweep.workers must be >= 1, got {workers}")
-        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers)
+        models = [ModelSpec.parse(m) for m in d.get("models") or []]
+        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, models)
 
 
 def load_sweep(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, SweepSpec]:
@@ -97,7 +119,8 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
     db = ResultsDB(out / "results.sqlite")
     db.set_meta(name=base.name, preset=str(name_or_path), budget=spec.budget, reference=spec.reference,
                 train_length=base.model.train_length, lengths=base.eval.lengths,
-                protocols=base.eval.protocols, schemes=[s.label for s in spec.schemes],
+                protocols=base.eval.protocols,
+                schemes=[s.label for s in spec.schemes] + [m.label for m in spec.models],
                 seeds=spec.seeds, datasets=spec.datasets)
     grid = [(d, s, seed) for d in spec.datasets for s in spec.schemes for seed in spec.seeds]
     todo = [(i, d, s, seed) for i, (d, s, seed) in enumerate(grid, 1) if db.status(run_id(d, s, seed)) != "done"]
@@ -135,6 +158,7 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
             futures = [pool.submit(_run_job, job, False) for job in jobs]
             for n, fut in enumerate(as_completed(futures), 1):
                 _say(progress, f"{fut.result()} ({n}/{len(jobs)} this session, {time.time() - t0:.0f} s elapsed)")
+    evaluate_models(out, base, spec, db, progress)
     wall = time.time() - t0
     db.set_meta(last_wall_s=wall)
     report = rebuild_report(out, wall_s=wall)
@@ -170,6 +194,38 @@ def _run_job(job: tuple, progress: bool) -> str:
     ppl = next((v for p, L, m, v in scalars if p == "nonoverlapping" and L == cfg.model.train_length
                 and m == "ppl"), None)
     return f"{tag}: done" + (f" (ppl at L_tr {ppl:.2f})" if ppl else "")
+
+
+def evaluate_models(out: Path, base: C.RunConfig, spec: SweepSpec, db: ResultsDB, progress: bool = True) -> None:
+    """Evaluate each ``models:`` entry (hf:PATH) on every dataset with the sweep's eval settings (the
+    protocols HF models support) and record it under its label, like a trained run with seed 0."""
+    from ..hf import PROTOCOLS, evaluate_hf, hf_split, open_hf
+    from ..io import atomic_write_json
+
+    for d in spec.datasets:
+        for m in spec.models:
+            rid = run_id(d, SchemeSpec(m.label), 0)
+            if db.status(rid) == "done":
+                continue
+            cfg = copy.deepcopy(base)
+            cfg.data.corpus = d
+            cfg.eval.protocols = [p for p in cfg.eval.protocols if p in PROTOCOLS]
+            run_dir = out / "runs" / rid
+            db.mark(rid, dataset=d, scheme="hf", label=m.label, seed=0, status="evaluating",
+                    run_dir=str(run_dir), config={**cfg.to_dict(), "hf": vars(m)})
+            _say(progress, f"{rid}: evaluating {m.source}")
+            t = time.time()
+            model = open_hf(m.source, device=cfg.train.device, dtype="fp32", rope=m.rope,
+                            train_length=m.train_length)
+            res = evaluate_hf(model, hf_split(cfg.data, model.loaded.tokenizer, cfg.eval.split), cfg.eval,
+                              model.loaded.train_length or cfg.model.train_length)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(run_dir / "eval.json", res)
+            scalars, series = flatten_eval(res)
+            keep = {0, base.model.train_length, *base.eval.lengths}  # the model's own L_tr only in eval.json
+            scalars = [row for row in scalars if row[1] in keep or row[0] == "positionwise"]
+            db.record(rid, {"model": res["model"], "params": res["model"]["parameters"],
+                            "eval_wall_s": time.time() - t}, scalars, series)
 
 
 def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data) -> tuple[list, list, dict]:
@@ -230,7 +286,7 @@ def flatten_eval(res: dict) -> tuple[list, list]:
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         scalars.append((proto, int(L), metric, float(v)))
         elif proto == "positionwise" and "nll" in body:
-            for name in ("nll", "ppl", "windowed_nll", "windowed_ppl"):
+            for name in [n for n in ("nll", "ppl", "windowed_nll", "windowed_ppl") if n in body]:
                 series.append((proto, int(body["length"]), name, [x if x is not None else float("nan") for x in body[name]]))
     for proto, v in (res.get("verdict") or {}).items():
         if isinstance(v, dict) and "extrapolates" in v:

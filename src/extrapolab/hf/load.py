@@ -1,0 +1,222 @@
+"""Load a Hugging Face causal LM + tokenizer from a local folder (``hf:PATH``); never a download.
+
+``from_pretrained(path, local_files_only=True)`` for config, weights and tokenizer. What the
+rest of extrapolab needs to know about the model is read from its config once, here:
+
+* ``positions`` -- how it encodes position: ``learned`` (GPT-2 ``n_positions``, OPT, GPT-Neo:
+  a table of absolute embeddings, so no length past it can be encoded), ``rope`` (GPT-NeoX /
+  Pythia, Llama, Mistral, Qwen2, ...: any length runs), ``alibi`` (BLOOM, MPT: any length runs);
+  an unlisted family counts as ``learned`` when it owns an embedding module named like a
+  position table, else ``unknown`` (any length is tried);
+* ``train_length`` -- the L_tr extrapolab compares against: the config's pre-training length
+  (``max_position_embeddings`` / ``n_positions`` / ``max_seq_len``), or the caller's.
+
+``--rope KIND:S`` rewrites the config's RoPE parameters *before* the model is built, so HF's own
+rotary implementation (``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``) does the work:
+``linear`` = position interpolation (Chen et al. 2023, "Extending Context Window of Large
+Language Models via Positional Interpolation", eq. 4: positions x 1/s), ``dynamic`` = dynamic
+NTK (s recomputed from the input length at run time), ``yarn`` = YaRN (Peng et al. 2023, §3.3-3.4:
+ramp over frequency bands, attention factor 0.1 ln s + 1), ``llama3`` (low/high frequency
+factors 1 and 4), and ``ntk`` = static NTK-aware scaling (bloc97 2023: base x s^(d/(d-2))),
+which HF has no rope type for, so it is applied as a new ``rope_theta`` of HF's default RoPE.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..io import UserError
+
+PREFIX = "hf:"
+#: model_type -> how it encodes positions (families the tests build; see module doc for others)
+POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt": "learned",
+             "gpt_neox": "rope", "llama": "rope", "mistral": "rope", "qwen2": "rope", "qwen3": "rope",
+             "gptj": "rope", "phi3": "rope", "gemma": "rope", "bloom": "alibi", "mpt": "alibi"}
+ROPE_KINDS = ("linear", "dynamic", "yarn", "ntk", "llama3")
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
+
+
+@dataclass
+class HFModel:
+    """A loaded HF causal LM and what extrapolab reads from it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    name: str
+    family: str  # config.model_type
+    positions: str  # learned | rope | alibi | unknown
+    train_length: int | None  # L_tr: the config's pre-training length (None if it has none)
+    max_length: int | None  # longest encodable input (learned positions only)
+    attn_implementation: str
+    rope: str | None = None
+    info: dict = field(default_factory=dict)
+
+
+def default_out(loaded: "HFModel") -> Path:
+    """runs/hf-<folder name>[-<rope kind><factor>]: where eval, align and erf of hf:PATH write by default."""
+    tag = "-" + loaded.rope.replace(":", "") if loaded.rope else ""
+    return Path("runs") / f"hf-{loaded.name}{tag}"
+
+
+def is_hf_spec(spec) -> bool:
+    return str(spec).startswith(PREFIX)
+
+
+def hf_path(spec) -> Path:
+    """``hf:PATH`` (or a bare folder) -> Path of a folder holding config.json, else one-line error."""
+    text = str(spec)
+    path = Path(text[len(PREFIX):] if text.startswith(PREFIX) else text).expanduser()
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} is not a Hugging Face model folder (no config.json); pass hf:DIR with a folder "
+                        "written by save_pretrained (extrapolab never downloads)")
+    return path
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("hf: models need `transformers`; install it (pip install -e '.[hf]')") from None
+    return transformers
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    spec = (spec or "auto").lower()
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if spec not in table:
+        raise UserError(f"unknown --dtype {spec!r}; use auto, fp32 or bf16")
+    return table[spec]
+
+
+def config_train_length(config) -> int | None:
+    for key in _LENGTH_KEYS:
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def position_kind(config, model=None) -> str:
+    kind = POSITIONS.get(config.model_type)
+    if config.model_type == "falcon":
+        kind = "alibi" if getattr(config, "alibi", False) else "rope"
+    if kind is None and model is not None:
+        named = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and "pos" in n.lower()]
+        kind = "learned" if named else "unknown"
+    return kind or "unknown"
+
+
+def parse_rope(spec: str) -> tuple[str, float]:
+    kind, _, s = str(spec).partition(":")
+    try:
+        factor = float(s)
+    except ValueError:
+        factor = float("nan")
+    if kind not in ROPE_KINDS or not (factor >= 1.0 and math.isfinite(factor)):
+        raise UserError(f"--rope takes KIND:FACTOR with KIND in {', '.join(ROPE_KINDS)} and FACTOR >= 1, "
+                        f"e.g. --rope yarn:4; got {spec!r}")
+    return kind, factor
+
+
+def apply_rope(config, spec: str) -> dict:
+    """Rewrite ``config.rope_parameters`` for ``spec`` (see module doc); returns the new parameters."""
+    kind, s = parse_rope(spec)
+    rp = getattr(config, "rope_parameters", None)
+    if position_kind(config) != "rope" or not isinstance(rp, dict) or "rope_theta" not in rp:
+        raise UserError(f"--rope applies to RoPE models, but this {config.model_type} model has no flat "
+                        "rope_parameters; drop --rope")
+    keep = {k: rp[k] for k in ("rope_theta", "partial_rotary_factor") if k in rp}
+    orig = config_train_length(config)
+    if kind == "ntk":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * keep.get("partial_rotary_factor", 1.0))
+        new = {**keep, "rope_type": "default", "rope_theta": keep["rope_theta"] * s ** (dim / (dim - 2))}
+    else:
+        new = {**keep, "rope_type": kind, "factor": s}
+        if kind in ("yarn", "llama3"):
+            new["original_max_position_embeddings"] = orig
+        if kind == "llama3":
+            new.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    config.rope_parameters = new
+    try:
+        if hasattr(config, "validate_rope"):
+            config.validate_rope()
+    except (ValueError, KeyError) as e:
+        raise UserError(f"transformers rejects --rope {spec}: {str(e).splitlines()[0]}") from None
+    return new
+
+
+def _from_pretrained(tr, path: Path, attn: str, kw: dict):
+    try:
+        try:
+            model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)
+        except ValueError as e:
+            msg = str(e).lower()
+            if attn == "eager" or not ("attn" in msg or "attention" in msg):
+                raise
+            attn = "eager"  # the family has no such kernel (BLOOM, MPT): its own eager attention
+            model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load the causal LM in {path}: {str(e).splitlines()[0]}; save it with "
+                        "save_pretrained (weights + config)") from None
+    return model, attn
+
+
+@contextmanager
+def _quiet(tr):
+    """No HF progress bars while loading a tiny or local model (restored after)."""
+    hl = tr.utils.logging
+    was = hl.is_progress_bar_enabled()
+    hl.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hl.enable_progress_bar()
+
+
+def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", attn: str = "sdpa",
+            rope: str | None = None, train_length: int | None = None) -> HFModel:
+    """Model (eval mode, on ``device``) + tokenizer from the local folder of ``spec``.
+
+    ``attn``: HF ``attn_implementation``; ``sdpa`` (never an L x L tensor for the RoPE / GPT-2
+    families) falls back to ``eager`` where the family has only that (BLOOM, MPT); alignment
+    statistics need ``eager`` (attention probabilities).
+    """
+    tr = _transformers()
+    path = hf_path(spec)
+    if not isinstance(device, torch.device):
+        from ..train.dist import resolve_device
+
+        device = resolve_device(str(device))
+    torch_dtype = resolve_dtype(dtype, device)
+    try:
+        config = tr.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot read {path}/config.json ({str(e).splitlines()[0]}); pass a folder written by "
+                        "save_pretrained") from None
+    rope_params = apply_rope(config, rope) if rope else None
+    kw = dict(config=config, local_files_only=True, dtype=torch_dtype)
+    with _quiet(tr):
+        model, attn = _from_pretrained(tr, path, attn, kw)
+    try:
+        tok = tr.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure means the folder has no usable tokenizer
+        raise UserError(f"no usable tokenizer in {path} ({type(e).__name__}); save one there with "
+                        "tokenizer.save_pretrained") from None
+    model = model.to(device).eval()
+    kind = position_kind(config, model)
+    L_tr = int(train_length) if train_length else config_train_length(config)
+    max_len = config_train_length(config) if kind == "learned" else None
+    return HFModel(model=model, tokenizer=tok, path=path, name=path.name, family=config.model_type,
+                   positions=kind, train_length=L_tr, max_length=max_len,
+                   attn_implementation=getattr(model.config, "_attn_implementation", attn), rope=rope,
+                   info={"rope_parameters": rope_params, "dtype": str(torch_dtype).replace("torch.", ""),
+                         "device": str(device), "parameters": sum(p.numel() for p in model.parameters())})
