@@ -54,7 +54,7 @@ def dataset_key(corpus_hash: str, cfg) -> str:
 
 def _slug(spec: str) -> str:
     spec = spec.rstrip("/")
-    base = spec if spec in ("stdlib", "pydoc") else spec.split(":", 1)[0] + "-" + re.split(r"[/:]", spec)[-1]
+    base = spec if spec in ("stdlib", "pydoc", "linux") else spec.split(":", 1)[0] + "-" + re.split(r"[/:]", spec)[-1]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", base)[:40]
 
 

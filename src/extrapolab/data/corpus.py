@@ -5,6 +5,8 @@ Specs accepted by :func:`read_corpus` (``data.corpus``):
 - ``stdlib``  the running interpreter's standard-library ``.py`` source (code corpus, like the
   papers' GitHub set), without tests, site-packages, build config and generated tables;
 - ``pydoc``   Debian ``python3-doc``'s reStructuredText sources (English prose corpus);
+- ``linux``   the Linux kernel's ``.c``/``.h`` files from Debian's ``linux-source`` tarball (large
+  code corpus for ~100M-parameter models; ``linux:<tarball>`` for another one; see ``linux.py``);
 - ``path:<file or folder>``  any text file or folder (binary files skipped and counted);
 - ``hf:<dataset>[:<config>][@split]``  a Hugging Face dataset (needs ``datasets``; online once).
 
@@ -293,12 +295,17 @@ def read_corpus(spec: str, max_bytes: int = 0) -> Corpus:
         corpus = stdlib_corpus(max_bytes)
     elif spec == "pydoc":
         corpus = pydoc_corpus(max_bytes)
+    elif spec == "linux" or spec.startswith("linux:"):
+        from .linux import linux_corpus
+
+        corpus = linux_corpus(max_bytes, spec.partition(":")[2] or None)
     elif spec.startswith("path:"):
         corpus = path_corpus(spec[len("path:"):], max_bytes)
     elif spec.startswith("hf:"):
         corpus = hf_corpus(spec, max_bytes)
     else:
-        raise UserError(f"unknown corpus {spec!r}; use stdlib, pydoc, path:<file or folder> or hf:<dataset>[:<config>][@split]")
+        raise UserError(f"unknown corpus {spec!r}; use stdlib, pydoc, linux, path:<file or folder> or "
+                        "hf:<dataset>[:<config>][@split]")
     if not corpus.documents:
         raise UserError(f"corpus {spec} has no documents; use a different data.corpus")
     return corpus
