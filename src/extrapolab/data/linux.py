@@ -8,7 +8,7 @@ about 3 M tokens) is too small for that, and no corpus of that size ships on PyP
 download) installs ``/usr/src/linux-source-6.1.tar.xz``: about 55,000 ``.c``/``.h`` files, 1.18 GB,
 of which ~0.8 GB is kept here (measured on 6.1.192-2).
 
-Rules, the same as the other corpora (``corpus.py``): a document is one ``.c``/``.h`` member; its
+Rules, the same as the other corpora (``documents.py``, ``corpus.py``): a document is one ``.c``/``.h`` member; its
 relative path drops the tarball's top folder (``linux-source-6.1/kernel/fork.c`` -> ``kernel/fork.c``),
 so a patch release moves no file to another split; split by sha256(relative path); the manifest lists
 path + sha256 + bytes of every document used. Skipped, and counted in ``Corpus.skipped``: files
@@ -28,7 +28,7 @@ import tarfile
 from pathlib import Path
 
 from ..io import UserError
-from .corpus import Corpus, Document, _decode
+from .documents import Corpus, Document, _decode
 
 LINUX_GLOB = "/usr/src/linux-source-*.tar.*"
 MAX_FILE_BYTES = 1_000_000
