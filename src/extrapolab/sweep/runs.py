@@ -34,10 +34,11 @@ def _temperature(spec: str, run: Path, lengths: list[int]) -> float | dict:
 
 
 def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str = "1.0",
-             overrides=None, which: str = "best") -> dict:
+             overrides=None, which: str = "best", device: str = "auto", dtype: str = "auto") -> dict:
+    """Evaluate ``run`` on ``device`` under ``dtype`` autocast (train.placement rules; recorded in eval.json)."""
     from ..data import prepare
     from ..eval import evaluate_config
-    from ..train import load_model
+    from ..train import load_model, placement
 
     run = Path(run)
     if not (run / "config.yaml").is_file():
@@ -49,7 +50,8 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
     if protocols:
         ecfg.protocols = list(protocols)
     ecfg.lengths = _lengths(lengths) or ecfg.lengths
-    model, _ = load_model(run, which=which)
+    place = placement(device, dtype)
+    model, _ = load_model(run, which=which, device=place.device)
     model.eval()
     data = prepare(cfg.data, progress=False)
     tokens = data.split(ecfg.split)
@@ -58,14 +60,16 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
         results = {}
         for L, t in tau.items():
             ecfg.temperature = t
-            sub = evaluate_config(model, tokens, _only(ecfg, L), cfg.model.train_length)
-            results[L] = sub
+            with place.autocast():
+                results[L] = evaluate_config(model, tokens, _only(ecfg, L), cfg.model.train_length)
         res = {"per_length_temperature": {str(k): v for k, v in tau.items()}, "runs": results}
         md = "\n".join(f"L={L} τ={tau[L]}: " + _ppl_line(r) for L, r in results.items())
     else:
         ecfg.temperature = tau
-        res = evaluate_config(model, tokens, ecfg, cfg.model.train_length)
+        with place.autocast():
+            res = evaluate_config(model, tokens, ecfg, cfg.model.train_length)
         md = markdown_summary(res)
+    res["placement"] = place.describe()
     name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
     atomic_write_json(run / name, res)
     return {"result": res, "markdown": md, "path": run / name}
