@@ -17,8 +17,8 @@ import torch
 
 from .baselines import build_model
 from .tasks import make_task
-from .train import (TRAIN_STREAM, VAL_STREAM, RegularRunConfig, _loss, _rng, accuracy_at, evaluate_lengths,
-                    run_placement)
+from .train import (TRAIN_STREAM, VAL_STREAM, RegularRunConfig, _rng, accuracy_at, evaluate_lengths, run_placement,
+                    train_step)
 
 
 def _sync(device: torch.device) -> None:
@@ -38,22 +38,12 @@ def probe_run(cfg: RegularRunConfig, steps: int = 20, warmup: int = 3, test_poin
     rng = _rng(TRAIN_STREAM, cfg.seed)
     lengths = task.lengths(cfg.train_min, cfg.train_max)
 
-    def step() -> None:
-        x, y = task.sample(rng, cfg.batch_size, int(rng.choice(lengths)))
-        loss = _loss(model, task, x, y, cfg.supervision, place)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        loss.item()  # as training does every step (and a sync point on CUDA)
-
     for _ in range(max(0, warmup)):
-        step()
+        train_step(model, opt, task, rng, lengths, cfg, place)
     _sync(place.device)
     t = time.perf_counter()
     for _ in range(max(1, steps)):
-        step()
+        train_step(model, opt, task, rng, lengths, cfg, place)
     _sync(place.device)
     step_s = (time.perf_counter() - t) / max(1, steps)
 

@@ -158,6 +158,20 @@ def run_placement(cfg: RegularRunConfig):
     return placement(cfg.device, cfg.precision)
 
 
+def train_step(model, opt, task, rng: np.random.Generator, lengths, cfg: RegularRunConfig, place) -> float:
+    """One optimizer step on a batch of ONE length drawn from ``lengths``; returns its loss."""
+    x, y = task.sample(rng, cfg.batch_size, int(rng.choice(lengths)))
+    loss = _loss(model, task, x, y, cfg.supervision, place)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    opt.step()
+    if hasattr(model, "constrain_"):
+        model.constrain_()
+    return loss.item()
+
+
 def fit(cfg: RegularRunConfig, progress: bool = True):
     """Train from scratch -> (best model, history list, info dict). ``cfg`` must be resolved."""
     task = make_task(cfg.task, **cfg.task_options)
@@ -175,16 +189,7 @@ def fit(cfg: RegularRunConfig, progress: bool = True):
                disable=not progress, leave=False)
     losses, streak = [], 0
     for step in bar:
-        x, y = task.sample(rng, cfg.batch_size, int(rng.choice(train_lengths)))
-        loss = _loss(model, task, x, y, cfg.supervision, place)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        if hasattr(model, "constrain_"):
-            model.constrain_()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, task, rng, train_lengths, cfg, place))
         if step % cfg.eval_every and step != cfg.steps:
             continue
         with place.autocast():
