@@ -131,3 +131,17 @@ def test_prepare_records_the_manifest(tarball, tmp_path):
     assert man["skipped"] == {"generated": 1, "binary": 2, "empty": 1}
     total = sum(d.num_tokens(s) for s in ("train", "valid", "test"))
     assert total == sum(map(len, files.values())) + len(files)  # bytes + one EOT per document
+
+
+def test_second_prepare_skips_rereading_the_same_archive(tarball, tmp_path, monkeypatch):
+    path, _ = tarball
+    cfg = DataConfig(corpus=f"linux:{path}", tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
+    first = prepare(cfg, progress=False)
+    monkeypatch.setattr(LX, "linux_corpus", lambda *a, **k: pytest.fail("the archive was read again"))
+    again = prepare(cfg, progress=False)
+    assert again.path == first.path and np.array_equal(again.split("train"), first.split("train"))
+    copy = path.parent / "copy" / path.name  # another file (path, mtime): read again
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(path.read_bytes())
+    with pytest.raises(pytest.fail.Exception, match="read again"):
+        prepare(DataConfig(corpus=f"linux:{copy}", tokenizer="bytes", cache_dir=str(tmp_path / "cache")), progress=False)

@@ -31,6 +31,7 @@ from ..io import UserError
 from .documents import Corpus, Document, _decode
 
 LINUX_GLOB = "/usr/src/linux-source-*.tar.*"
+RULES_VERSION = 1  # bump when the member filters below change: prepared data keyed by the archive is re-read
 MAX_FILE_BYTES = 1_000_000
 SUFFIXES = (".c", ".h")
 _GENERATED_DIRS = ("/asic_reg/",)
