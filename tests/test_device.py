@@ -87,6 +87,13 @@ def test_cli_verbs_take_device_and_dtype(run, tmp_path):
     assert json.loads((run / "eval.json").read_text())["placement"]["precision"] == "bf16"
     res = runner.invoke(app, ["eval", str(run), "--device", "tpu"])
     assert res.exit_code == 2 and "unknown --device 'tpu'" in res.output
+    res = runner.invoke(app, ["analyze", "sharpness", str(run), "--lengths", "8,16", "--segments", "1", "--out",
+                              str(tmp_path), "--dtype", "fp16", "--device", "cpu"])
+    assert res.exit_code == 2 and "--dtype fp16 needs a CUDA device" in res.output
+
+
+@pytest.mark.slow
+def test_analysis_and_align_verbs_run_under_bf16_autocast(run, tmp_path):
     out, place = str(tmp_path / "an"), ["--device", "cpu", "--dtype", "bf16"]
     for argv in (["analyze", "sharpness", str(run), "--lengths", "8,16", "--segments", "1", "--out", out],
                  ["analyze", "erf", str(run), "--length", "32", "--segments", "1", "--out", out],

@@ -72,8 +72,8 @@ def test_plan_probes_columns_without_a_finished_run(tmp_path):
     assert p["device"] == "cpu" and p["validation_rounds"] == 10
     per = {"regulargpt-C2": {"model_options": {"dim": 16, "heads": 2}, "val_samples": 2}}
     wt = plan(tmp_path, seeds=2, budget="thesis", per_model=per, only="parity:regulargpt-C2", probe_steps=2, **over)
-    assert wt["runs"] == 2 and wt["unknown"] == [] and list(wt["probes"]) == ["parity/regulargpt-C2"]
-    assert wt["estimated_missing_s"] == pytest.approx(2 * wt["probes"]["parity/regulargpt-C2"]["projected_s"])
+    assert wt["runs"] == 2 and wt["unknown"] == [] and list(wt["probes"]) == ["regulargpt-C2@deletang"]
+    assert wt["estimated_missing_s"] == pytest.approx(2 * wt["probes"]["regulargpt-C2@deletang"]["projected_s"])
     assert wall_time(tmp_path, seeds=2, budget="thesis", per_model=per, only="parity:regulargpt-C2",
                      **over)["unknown"] == ["parity/regulargpt-C2/seed0", "parity/regulargpt-C2/seed1"]
     res = runner.invoke(app, ["table", "--plan", "--budget", "thesis", "--only", "gaps", "--probe-steps", "0",

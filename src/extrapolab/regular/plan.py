@@ -70,8 +70,9 @@ def probe_run(cfg: RegularRunConfig, steps: int = 20, warmup: int = 3, test_poin
 
 def plan(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "quick", per_model: dict | None = None,
          only=None, probe_steps: int = 20, **overrides) -> dict:
-    """``wall_time`` of the table, with each run it cannot estimate projected by :func:`probe_run`
-    (one probe per task x column, shared by its seeds; ``probe_steps=0``: no probe)."""
+    """``wall_time`` of the table, with each run it cannot estimate projected by :func:`probe_run`: one
+    probe per column and task family (``column@deletang``: tests up to 500, ``column@bhattacharya``: up
+    to 100), on the first such cell, shared by the family's tasks and seeds; ``probe_steps=0``: no probe."""
     from .table import _grid, _planned, wall_time
 
     wt = wall_time(out_dir, tasks, models, seeds, budget, per_model, only=only, **overrides)
@@ -82,7 +83,7 @@ def plan(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "quick"
     cfgs = _planned(ts, ms, seeds, budget, per_model or {}, overrides, cells)
     for name in wt["unknown"]:
         t, m, s = name.split("/")
-        key = f"{t}/{m}"
+        key = f"{m}@{make_task(t).family}"
         if key not in wt["probes"]:
             wt["probes"][key] = probe_run(cfgs[(t, m, int(s[len("seed"):]))], steps=probe_steps)
         sec = wt["probes"][key]["projected_s"]
