@@ -7,7 +7,7 @@ import yaml
 from typer.testing import CliRunner
 
 from extrapolab.cli.main import app
-from extrapolab.config import load_preset
+from extrapolab.config import load_preset, preset_names, resolve
 from extrapolab.sweep.sweep import load_sweep
 
 from test_data_linux import EXTRA, _files, _tarball
@@ -47,3 +47,16 @@ def test_shrunk_full_demo_runs_end_to_end_on_cpu(tmp_path):
     saved = yaml.safe_load((out / "sweep-config.yaml").read_text())
     assert saved["train"]["device"] == "cpu" and saved["train"]["precision"] == "fp32"
     assert (out / "report.html").is_file()
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_validates(name):
+    raw = load_preset(name)
+    if "sweep" in raw:
+        load_sweep(name)
+    elif "align" in raw:
+        from extrapolab.align.experiment import load_align_preset
+
+        load_align_preset(name)
+    else:
+        resolve(name)
