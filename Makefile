@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 OUT    ?= reports/demo
 PRESET ?= quick
 
-.PHONY: setup demo test test-slow prose bench clean
+.PHONY: setup demo test test-slow prose corpus-linux bench clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml constraints.txt
 prose:
 	bash scripts/install-prose.sh
 
-demo: setup
+# The large code corpus (data.corpus=linux, ~140 MB apt download) for `make demo PRESET=full`; not in setup.
+corpus-linux:
+	bash scripts/install-linux-source.sh
+
+demo: setup $(if $(filter full paper,$(PRESET)),corpus-linux)
 	$(BIN)/extrapolab demo --preset $(PRESET) --out $(OUT)
 
 test: setup

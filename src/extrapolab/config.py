@@ -42,7 +42,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    corpus: str = "stdlib"  # stdlib | pydoc | path:/some/dir_or_file | hf:name[:config]
+    corpus: str = "stdlib"  # stdlib | pydoc | linux[:tarball] | path:/some/dir_or_file | hf:name[:config]
     tokenizer: str = "bpe"  # bpe | bytes
     vocab_size: int = 4096
     cache_dir: str = ".extrapolab-cache"

@@ -20,6 +20,7 @@ by the trained model and the settings it used, so an interrupted run resumes whe
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -35,7 +36,7 @@ from ..data import TokenData, prepare
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
-from ..train import load_model, train
+from ..train import load_model, run_placement, train
 from .algorithm import align, collect_logit_stats, load_temperature, save_temperature
 from .retrieval import KINDS, make_examples, retrieval_stream, score
 from .rules import GRID, MODES, canonical_rule, pick_tau
@@ -104,8 +105,9 @@ def training_mixture(data, cfg: C.RunConfig, spec: AlignSpec):
 class _Stages:
     """JSON results under ``out`` keyed by (model, settings): reused when the key matches."""
 
-    def __init__(self, out: Path, model_key: dict, say) -> None:
+    def __init__(self, out: Path, model_key: dict, say, context=contextlib.nullcontext) -> None:
         self.out, self.model_key, self.say, self.seconds = out, model_key, say, {}
+        self.context = context  # entered around every computed stage (the placement's autocast)
 
     def run(self, name: str, settings: dict, fn):
         path = self.out / f"{name}.json"
@@ -120,7 +122,8 @@ class _Stages:
             except (ValueError, KeyError, AttributeError):
                 pass  # damaged or foreign: recompute
         t = time.time()
-        result = fn()
+        with self.context():
+            result = fn()
         self.seconds[name] = time.time() - t
         atomic_write_json(path, {"key": key, "seconds": self.seconds[name], "result": result})
         return result
@@ -241,12 +244,13 @@ def run_align_experiment(preset: str, out: Path | None = None, overrides: list[s
     t = time.time()
     summary = train(cfg, run_dir, data=mix, progress=progress)
     train_wall = time.time() - t
-    model, _ = load_model(run_dir, which="best")
+    place = run_placement(cfg.train)  # measure where (and in the precision) the model trained
+    model, _ = load_model(run_dir, which="best", device=place.device)
     model.eval()
     L_tr = cfg.model.train_length
     tokens = data.split(cfg.eval.split)
     model_key = {k: summary.get(k) for k in ("steps", "best_step", "best_valid_loss", "params")}
-    stages = _Stages(out, model_key, say)
+    stages = _Stages(out, model_key, say, place.autocast)
     settings = {k: getattr(spec, k) for k in ("lengths", "segments", "propagate")} | {"seed": cfg.train.seed}
     res = stages.run("align", settings, lambda: align(
         model, tokens, L_tr, spec.lengths, MODES, n_segments=spec.segments, propagate=spec.propagate,

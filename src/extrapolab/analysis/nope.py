@@ -74,17 +74,18 @@ def _variance_pass(model, idx, inputs_embeds, opts) -> torch.Tensor:
 
 
 def simulate_variance(dim: int = 768, heads: int = 12, length: int = 512, sigma: float = 0.02,
-                      samples: int = 500, layers: int = 1, batch: int = 8, seed: int = 0) -> dict:
-    """Var(o_m) per layer vs m for the random frozen TLM, with Lemma 2.3 and the log-log fits."""
-    model = random_tlm(dim, heads, layers, sigma, length, seed)
+                      samples: int = 500, layers: int = 1, batch: int = 8, seed: int = 0, device="cpu") -> dict:
+    """Var(o_m) per layer vs m for the random frozen TLM, with Lemma 2.3 and the log-log fits.
+    The random inputs are drawn on the CPU (the same numbers on any ``device``), then moved."""
+    model = random_tlm(dim, heads, layers, sigma, length, seed).to(device)
     gen = torch.Generator().manual_seed(seed + 1)
     total = torch.zeros(layers, length, dtype=torch.float64)
     done = 0
     opts = AttnOptions(impl="sdpa")
     while done < samples:
         b = min(batch, samples - done)
-        x = torch.randn(b, length, dim, generator=gen) * sigma  # [B, L, d] random inputs
-        total += _variance_pass(model, torch.zeros(b, length, dtype=torch.long), x, opts)
+        x = (torch.randn(b, length, dim, generator=gen) * sigma).to(device)  # [B, L, d] random inputs
+        total += _variance_pass(model, torch.zeros(b, length, dtype=torch.long, device=device), x, opts)
         done += b
     var = (total / samples).numpy()  # [R, L]
     m = np.arange(1, length + 1)
@@ -106,7 +107,7 @@ def _cumulative_attention(model, idx, inputs_embeds, opts) -> np.ndarray:
     rows = []
     for layer, x in enumerate(qkv):
         with torch.no_grad():
-            p = attention_rows(model, x, layer, torch.tensor([L - 1]), pos, opts)[:, :, 0]  # [B, H, L]
+            p = attention_rows(model, x, layer, torch.tensor([L - 1], device=idx.device), pos, opts)[:, :, 0]  # [B, H, L]
         rows.append(p.double().cumsum(-1).mean(1).sum(0).cpu().numpy())
     return np.stack(rows)
 
@@ -136,22 +137,22 @@ def model_variance(model, segments, *, opts: AttnOptions | None = None, batch: i
 
 def position_probe(dim: int = 768, heads: int = 12, length: int = 512, sigma: float = 0.02, layers: int = 12,
                    steps: int = 5000, batch: int = 32, lr: float = 1e-3, hidden: int | None = None,
-                   eval_samples: int = 64, seed: int = 0) -> dict:
+                   eval_samples: int = 64, seed: int = 0, device="cpu") -> dict:
     """Fig. 2.2: MAE of a 2-layer ReLU classifier probing position from each layer's hidden state."""
-    model = random_tlm(dim, heads, layers, sigma, length, seed)
+    model = random_tlm(dim, heads, layers, sigma, length, seed).to(device)
     gen = torch.Generator().manual_seed(seed + 2)
     hidden = hidden or dim
     torch.manual_seed(seed + 3)
     probes = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, length))
-                           for _ in range(layers))
+                           for _ in range(layers)).to(device)
     optim = torch.optim.Adam(probes.parameters(), lr=lr)
-    target = torch.arange(length)
+    target = torch.arange(length, device=device)
     opts = AttnOptions(impl="sdpa")
 
     def features(b: int) -> list[torch.Tensor]:
-        x = torch.randn(b, length, dim, generator=gen) * sigma
+        x = (torch.randn(b, length, dim, generator=gen) * sigma).to(device)  # drawn on the CPU: same on any device
         with torch.no_grad(), _block_outputs(model) as outs:
-            model(torch.zeros(b, length, dtype=torch.long), inputs_embeds=x, opts=opts)
+            model(torch.zeros(b, length, dtype=torch.long, device=device), inputs_embeds=x, opts=opts)
             return [model.ln_f(h) for h in outs]  # [B, L, d] per layer
 
     for _ in range(int(steps)):
@@ -168,7 +169,7 @@ def position_probe(dim: int = 768, heads: int = 12, length: int = 512, sigma: fl
             b = min(batch, eval_samples - done)
             for layer, f in enumerate(features(b)):
                 pred = probes[layer](f).argmax(-1)  # [B, L]
-                err[layer] += (pred - target).abs().double().sum(0).numpy()
+                err[layer] += (pred - target).abs().double().sum(0).cpu().numpy()
             done += b
     mae = err / eval_samples
     return {"dim": dim, "heads": heads, "length": length, "sigma": sigma, "steps": steps, "batch": batch,

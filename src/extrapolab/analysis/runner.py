@@ -21,15 +21,15 @@ from .sharpness import attention_sharpness, plot_sharpness, sharpness_table
 from .theory import convergence, trf
 
 
-def load_run(run_dir, which: str = "best"):
-    """(model, cfg) of a run, falling back to the other checkpoint when ``which`` is missing."""
+def load_run(run_dir, which: str = "best", device="cpu"):
+    """(model on ``device``, cfg) of a run, falling back to the other checkpoint when ``which`` is missing."""
     from ..train import load_model
 
     try:
-        return load_model(run_dir, which)
+        return load_model(run_dir, which, device)
     except UserError:
         other = "last" if which == "best" else "best"
-        return load_model(run_dir, other)
+        return load_model(run_dir, other, device)
 
 
 def test_stream(cfg):
@@ -53,14 +53,25 @@ def default_erf_length(cfg, n_tokens: int, want: int | None = None) -> int:
 
 def analyze_all(run_dir, out_dir=None, *, which: str = "best", tokens=None, erf_length: int | None = None,
                 segments: int = 4, eps: float = 0.01, sharp_lengths=None, max_kernel_distance: int = 2048,
-                block_size: int = 256) -> dict:
+                block_size: int = 256, device: str = "cpu", dtype: str = "fp32") -> dict:
     """Run A1-A5 on ``run_dir``'s checkpoint; returns the summary also saved as analysis.json.
 
     ``tokens`` overrides the evaluation stream (1-D ids); by default the run's prepared test split.
+    ``device`` / ``dtype``: where the checkpoint runs and under which autocast (``train.placement``).
     """
+    from ..train import placement
+
+    place = placement(device, dtype)
+    with place.autocast():
+        return _analyze_all(run_dir, out_dir, place, which, tokens, erf_length, segments, eps, sharp_lengths,
+                            max_kernel_distance, block_size)
+
+
+def _analyze_all(run_dir, out_dir, place, which, tokens, erf_length, segments, eps, sharp_lengths,
+                 max_kernel_distance, block_size) -> dict:
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "analysis"
-    model, cfg = load_run(run_dir, which)
+    model, cfg = load_run(run_dir, which, place.device)
     stream = test_stream(cfg) if tokens is None else tokens
     L_tr = int(cfg.model.train_length)
     L_ex = int(erf_length or default_erf_length(cfg, len(stream)))
@@ -68,7 +79,7 @@ def analyze_all(run_dir, out_dir=None, *, which: str = "best", tokens=None, erf_
     scheme = model.scheme
     fig = lambda name: out / name  # noqa: E731
     res: dict = {"run": str(run_dir), "scheme": scheme.name, "scheme_options": scheme.options(),
-                 "train_length": L_tr, "figures": {}}
+                 "train_length": L_tr, "placement": place.describe(), "figures": {}}
     timings = {}
 
     t = time.perf_counter()  # ---- A1: cumulative gradient / ERF

@@ -59,37 +59,36 @@ def _floats(text: str) -> list[float]:
         raise UserError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def _device(spec: str):
-    import torch
+def _run(run_dir: Path, which: str, device: str, dtype: str = "fp32", data=None):
+    """(model on the device, its config, its data, the Placement whose autocast to run under)."""
+    from ..train import load_model, placement
 
-    return torch.device("cuda" if spec == "auto" and torch.cuda.is_available() else ("cpu" if spec == "auto" else spec))
-
-
-def _run(run_dir: Path, which: str, device: str, data=None):
-    from ..train import load_model
-
-    model, cfg = load_model(run_dir, which, _device(device))
+    place = placement(device, dtype)
+    model, cfg = load_model(run_dir, which, place.device)
     if data is None:
         from ..data import prepare
 
         data = prepare(cfg.data, progress=False)
-    return model, cfg, data
+    return model, cfg, data, place
 
 
 def align_cmd(run_dir: Path, lengths: Sequence[int] | None = None, modes: Sequence[str] = ("pmax", "entropy"),
               segments: int = 2, split: str = "test", which: str = "best", propagate: bool = True,
-              seed: int = 0, device: str = "cpu", say=print, data=None) -> dict:
+              seed: int = 0, device: str = "cpu", say=print, data=None, dtype: str = "fp32") -> dict:
     """Algorithm 1 on a trained run; writes RUN/temperature.json and RUN/temperature.{png,svg}.
-    ``data``: a TokenData to use instead of re-preparing the run's corpus."""
+    ``data``: a TokenData to use instead of re-preparing the run's corpus. ``device`` / ``dtype``:
+    where and under which autocast the model runs (fp32 by default: tau is read off P_max and entropy)."""
     from ..align import align, align_table, plot_temperature_curves, save_temperature
 
     run_dir = Path(run_dir)
-    model, cfg, data = _run(run_dir, which, device, data)
+    model, cfg, data, place = _run(run_dir, which, device, dtype, data)
     L_tr = cfg.model.train_length
     lengths = list(lengths or [L for L in cfg.eval.lengths if L > L_tr])
-    res = align(model, data.split(split), L_tr, lengths, modes, n_segments=segments, propagate=propagate,
-                seed=seed, progress=say)
+    with place.autocast():
+        res = align(model, data.split(split), L_tr, lengths, modes, n_segments=segments, propagate=propagate,
+                    seed=seed, progress=say)
     res["run"], res["scheme"], res["split"] = cfg.name, cfg.model.scheme, split
+    res["placement"] = place.describe()
     path = save_temperature(run_dir, res)
     figs = plot_temperature_curves(res, run_dir / "temperature", title=f"{cfg.name} ({cfg.model.scheme})")
     return {"result": res, "table": align_table(res), "path": str(path), "figures": [str(f) for f in figs]}
@@ -99,7 +98,7 @@ def retrieval_cmd(run_dir: Path, task: str = "passkey", lengths: Sequence[int] |
                   depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), n: int = 5,
                   rules: Sequence[str] = ("none", "pmax", "entropy", "length"), seed: int = 0,
                   which: str = "best", preamble: bool = True, batch_size: int = 8, device: str = "cpu",
-                  data=None) -> dict:
+                  data=None, dtype: str = "fp32") -> dict:
     """Exact-match retrieval accuracy per length x depth for each temperature rule (from
     RUN/temperature.json); writes RUN/retrieval-<task>.json and the heat map .png/.svg."""
     from ..align import canonical_rule, load_temperature
@@ -107,7 +106,7 @@ def retrieval_cmd(run_dir: Path, task: str = "passkey", lengths: Sequence[int] |
     from ..io import atomic_write_json
 
     run_dir = Path(run_dir)
-    model, cfg, data = _run(run_dir, which, device, data)
+    model, cfg, data, place = _run(run_dir, which, device, dtype, data)
     lengths = list(lengths or cfg.eval.lengths)
     examples = make_examples(task, lengths, depths, n, seed, tokenizer=data, preamble=preamble)
     specs = {}
@@ -117,7 +116,8 @@ def retrieval_cmd(run_dir: Path, task: str = "passkey", lengths: Sequence[int] |
             for L in lengths:
                 load_temperature(run_dir, L, r)  # fail before any decoding if a tau is missing
         specs[r] = None if r == "none" else (lambda L, r=r: load_temperature(run_dir, L, r))
-    records = evaluate(model, examples, specs, batch_size=batch_size)
+    with place.autocast():
+        records = evaluate(model, examples, specs, batch_size=batch_size)
     table = retrieval_table(records)
     out = run_dir / f"retrieval-{task}.json"
     atomic_write_json(out, {"task": task, "lengths": lengths, "depths": list(depths), "n": n, "seed": seed,
@@ -182,7 +182,7 @@ def temperature(
                        train_length=train_length, say=say)
     else:
         res = align_cmd(Path(run), _ints(lengths), modes.split(","), segments, split, which, not no_propagate,
-                        device=device, say=say)
+                        device=device, say=say, dtype=dtype)
     typer.echo(res["table"])
     typer.echo(f"wrote {res['path']} and {', '.join(res['figures'])}")
 
@@ -216,7 +216,7 @@ def retrieval(
     else:
         res = retrieval_cmd(Path(run), task, _ints(lengths), _floats(depths), n,
                             (rules or "none,pmax,entropy,length").split(","), seed, which, not no_preamble,
-                            device=device)
+                            device=device, dtype=dtype)
     typer.echo(res["table"])
     typer.echo(f"wrote {res['path']} and {', '.join(res['figures'])}")
 
@@ -244,10 +244,13 @@ def experiment(
     preset: str = typer.Option("align-quick", "--preset", "-p", help="align-smoke (seconds) | align-quick (CPU, ~15 min) | YAML file"),
     out: Optional[Path] = typer.Option(None, "--out", help="report folder (default out_dir/name, e.g. reports/align-quick)"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set align.n=4 (repeatable)"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
     """Train on corpus + retrieval docs, align, measure ppl and retrieval per rule, write report.html (resumable)."""
     from ..align.experiment import run_align_experiment
+    from ..train.placement import placement_overrides
 
-    res = run_align_experiment(preset, out=out, overrides=set_)
+    res = run_align_experiment(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
     typer.echo((res["out"] / "summary.md").read_text())
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")

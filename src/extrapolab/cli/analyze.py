@@ -64,7 +64,9 @@ def erf(
     from ..analysis import attention_erf, measure_erf, plot_erf, plot_trf_vs_erf, trf, trf_summary
     from ..analysis.common import segments_from_stream
     from ..analysis.runner import default_erf_length, load_run, test_stream
+    from ..train import placement
 
+    place = placement(device, dtype)
     curves, records, lines = {}, [], []
     L_tr = None
     for run in runs:
@@ -78,17 +80,18 @@ def erf(
             lines.append(f"{rec['name']}: ERF {rec['erf_tokens']} tokens (position {rec['erf_position']} of "
                          f"{rec['L_ex']}), peak {rec['peak_memory_mb']:.0f} MB, {rec['seconds']:.1f} s")
             continue
-        model, cfg = load_run(Path(run))
+        model, cfg = load_run(Path(run), device=place.device)
         stream = test_stream(cfg)
         L = length or default_erf_length(cfg, len(stream))
         segs = segments_from_stream(stream, L, segments)
-        e = measure_erf(model, segs, threshold=threshold)
+        with place.autocast():
+            e = measure_erf(model, segs, threshold=threshold)
+            att = attention_erf(model, segs, eps)["mean"]
         name = f"{cfg.name} ({cfg.model.scheme})"
         curves[name] = e["c"]
         L_tr = cfg.model.train_length
         rec = {"name": name, "erf_tokens": e["erf_tokens"], "erf_position": e["erf_position"], "L_ex": L,
-               "peak_memory_mb": e["peak_memory_mb"], "seconds": e["seconds"],
-               "attention_erf": attention_erf(model, segs, eps)["mean"],
+               "peak_memory_mb": e["peak_memory_mb"], "seconds": e["seconds"], "attention_erf": att,
                "trf": trf_summary(trf(model.scheme, eps, n=2**18))["mean"]}
         records.append(rec)
         lines.append(f"{name}: ERF {rec['erf_tokens']} tokens (position {rec['erf_position']} of {L}), "
@@ -179,29 +182,42 @@ def nope_variance(
     run: Optional[Path] = typer.Option(None, "--run", help="also measure this trained checkpoint (Figs. 2.6-2.7)"),
     out: Path = typer.Option(Path("reports/analysis"), "--out"),
     as_json: bool = typer.Option(False, "--json"),
+    device: str = DeviceOpt,
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | auto (fp32 default: a variance of ~1e-10 "
+                              "at sigma=0.002 is below bf16's resolution)"),
 ):
     """A4: Var(o_m) vs m in a random frozen NoPE model against Lemma 2.3 (d^2 sigma^4 / m)."""
+    from ..train import placement
+
+    place = placement(device, dtype)
+    with place.autocast():
+        _nope_variance(dim, heads, length, sigma, samples, layers, sweep, probe, probe_layers, probe_steps, run,
+                       out, as_json, place.device)
+
+
+def _nope_variance(dim, heads, length, sigma, samples, layers, sweep, probe, probe_layers, probe_steps, run,
+                   out, as_json, device):
     from ..analysis import nope
     from ..analysis.common import segments_from_stream
     from ..analysis.runner import load_run, test_stream
 
-    res = nope.simulate_variance(dim, heads, length, sigma, samples, layers)
+    res = nope.simulate_variance(dim, heads, length, sigma, samples, layers, device=device)
     figs = nope.plot_variance({f"sigma={sigma}": res}, out / "nope_variance_random")
     result = {"random": {"fits": res["fits"], "theory_at_1": res["theory"][0]}}
     lines = [f"layer {i}: log-log slope {f['slope']:.3f} (Lemma 2.3: -1)" for i, f in enumerate(res["fits"])]
     if sweep:
-        sw = nope.sigma_sweep(dim=dim, heads=heads, length=length, samples=max(1, samples // 5))
+        sw = nope.sigma_sweep(dim=dim, heads=heads, length=length, samples=max(1, samples // 5), device=device)
         figs += nope.plot_variance({f"sigma={s}": r for s, r in sw.items()}, out / "nope_sigma_sweep", layer=0)
         result["sigma_sweep"] = {str(s): r["fits"][0] for s, r in sw.items()}
         lines += [f"sigma={s}: slope {r['fits'][0]['slope']:.3f}" for s, r in sw.items()]
     if probe:
-        pr = nope.position_probe(dim, heads, length, sigma, probe_layers, probe_steps)
+        pr = nope.position_probe(dim, heads, length, sigma, probe_layers, probe_steps, device=device)
         figs += nope.plot_probe(pr, out / "nope_position_probe")
         result["probe"] = {"mae_per_layer": pr["mae_per_layer"], "baseline_mae": pr["baseline_mae"]}
         lines.append(f"probe MAE per layer {[round(float(x), 1) for x in pr['mae_per_layer']]} "
                      f"(midpoint baseline {pr['baseline_mae']:.0f})")
     if run is not None:
-        model, cfg = load_run(run)
+        model, cfg = load_run(run, device=device)
         mv = nope.model_variance(model, segments_from_stream(test_stream(cfg), min(length, cfg.model.train_length), 16))
         figs += nope.plot_variance({cfg.name: mv}, out / "nope_variance_trained", theory=False)
         figs += nope.plot_cumulative_attention(mv, out / "nope_cumulative_attention")
@@ -221,18 +237,23 @@ def sharpness(
     temperature: float = typer.Option(1.0, "--temperature"),
     out: Path = typer.Option(Path("reports/analysis"), "--out"),
     as_json: bool = typer.Option(False, "--json"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
     """A5: mean max attention probability and entropy per layer at each length (thesis Table 5.1)."""
     from ..analysis import attention_sharpness, plot_sharpness, sharpness_table
     from ..analysis.common import segments_from_stream
     from ..analysis.runner import load_run, test_stream
     from ..model.attention import AttnOptions
+    from ..train import placement
 
-    model, cfg = load_run(run)
+    place = placement(device, dtype)
+    model, cfg = load_run(run, device=place.device)
     L_tr = cfg.model.train_length
     Ls = _lengths(lengths) or [x for x in (L_tr // 2, L_tr, 2 * L_tr, 4 * L_tr) if x > 1]
     segs = segments_from_stream(test_stream(cfg), max(Ls), segments)
-    res = attention_sharpness(model, segs, Ls, opts=AttnOptions(temperature=temperature), queries=queries)
+    with place.autocast():
+        res = attention_sharpness(model, segs, Ls, opts=AttnOptions(temperature=temperature), queries=queries)
     res["figures"] = plot_sharpness(res, out / "sharpness", train_length=L_tr)
     _echo(res, as_json, [sharpness_table(res), f"wrote {', '.join(res['figures'])}"])
 
@@ -260,11 +281,13 @@ def all_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="default <run>/analysis"),
     length: Optional[int] = typer.Option(None, "--length", help="L_ex for the ERF and bias pictures"),
     segments: int = typer.Option(4, "--segments"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
     """Every analysis of one run: figures + analysis.json in <run>/analysis/."""
     from ..analysis import analyze_all
 
-    res = analyze_all(run, out, erf_length=length, segments=segments)
+    res = analyze_all(run, out, erf_length=length, segments=segments, device=device, dtype=dtype)
     e = res["erf"]
     typer.echo(f"ERF {e['erf_tokens']} tokens at L_ex={e['L_ex']} (peak {e['peak_memory_mb']:.0f} MB)")
     typer.echo(res["sharpness_table"])

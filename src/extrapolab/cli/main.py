@@ -109,7 +109,7 @@ def eval_(
                          preset=preset, out=out, device=device, dtype=dtype, rope=rope, train_length=train_length)
     else:
         result = eval_run(Path(run), protocols=protocol, lengths=lengths, temperature=temperature, overrides=set_,
-                          which=which)
+                          which=which, device=device, dtype=dtype)
     typer.echo(result["markdown"])
     typer.echo(f"wrote {result['path']}")
 
@@ -120,25 +120,34 @@ def sweep(
     config_file: str = typer.Argument(..., help="sweep preset name or YAML file with a `sweep:` section"),
     out: Optional[Path] = typer.Option(None, "--out", help="sweep folder (results.sqlite, runs/, report)"),
     set_: Optional[List[str]] = SetOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
     """Train and evaluate a grid of schemes x seeds x datasets (resumable), then write the report."""
     from ..sweep.sweep import run_sweep
+    from ..train.placement import placement_overrides
 
-    res = run_sweep(config_file, out=out, overrides=set_)
+    res = run_sweep(config_file, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
     typer.echo(f"report: {res['report']}")
 
 
 @app.command()
 @friendly
 def demo(
-    preset: str = typer.Option("quick", "--preset", "-p", help="smoke (seconds) | quick (CPU, minutes) | full (GPU, paper scale)"),
+    preset: str = typer.Option("quick", "--preset", "-p", help="smoke (seconds) | quick (CPU, minutes) | "
+                               "full or paper (one GPU, ~1 h; Linux-source corpus, `make corpus-linux`)"),
     out: Path = typer.Option(Path("reports/demo"), "--out", help="report folder"),
     set_: Optional[List[str]] = SetOpt,
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
     """The main job: train a set of schemes on the embedded code corpus, test long, write the report."""
     from ..sweep.sweep import run_sweep
+    from ..train.placement import placement_overrides
 
-    res = run_sweep(f"demo-{preset}" if not preset.endswith((".yaml", ".yml")) else preset, out=out, overrides=set_)
+    preset = {"paper": "full"}.get(preset, preset)
+    res = run_sweep(f"demo-{preset}" if not preset.endswith((".yaml", ".yml")) else preset, out=out,
+                    overrides=[*(set_ or []), *placement_overrides(device, dtype)])
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
 
 

@@ -15,6 +15,7 @@ import yaml
 
 from ..io import UserError, atomic_write_json
 from ..positional.base import SchemeError
+from .common import DeviceOpt
 
 app = typer.Typer(help="RegularGPT and the regular-language length-generalisation benchmark (thesis ch. 6).",
                   no_args_is_help=True, add_completion=False)
@@ -62,6 +63,9 @@ RUN_OPT = typer.Option(None, "--run-opt",
                        help="per-model run option MODEL:key=value (repeatable), e.g. transformer:test_stride=5")
 OPT = typer.Option(None, "--opt", help="model option key=value (repeatable), e.g. --opt C=3 --opt dim=64")
 TASK_OPT = typer.Option(None, "--task-opt", help="task option key=value, e.g. --task-opt p=0.3 (parity)")
+#: fp32 by default here (not the shared DtypeOpt's auto): the models are small, and the thesis numbers are fp32
+REG_DTYPE = typer.Option("fp32", "--dtype", help="fp32 | bf16 | auto: autocast of the forward passes "
+                         "(auto: bf16 on a GPU that supports it)")
 
 
 @app.command()
@@ -83,6 +87,8 @@ def train(
                                     "Table 6.1 here); prefix: on the label of every prefix"),
     threads: int = typer.Option(1, help="torch CPU threads"),
     progress: bool = True,
+    device: str = DeviceOpt,
+    dtype: str = REG_DTYPE,
 ):
     """Train one model on one task, then score every test length."""
     from ..regular.train import RegularRunConfig, run
@@ -91,7 +97,7 @@ def train(
     cfg = RegularRunConfig(task=task, task_options=_kv(task_opt, "--task-opt"), model=model,
                            model_options=_kv(opt, "--opt"), seed=seed, steps=steps, lr=lr,
                            batch_size=batch_size, stop_acc=stop_acc, test_stride=test_stride,
-                           test_samples=test_samples, supervision=supervision)
+                           test_samples=test_samples, supervision=supervision, device=device, precision=dtype)
     res = run(cfg, out, progress=progress)
     typer.echo(f"{task}/{model}/seed{seed}: {res['steps_run']} steps ({res['train_seconds']:.1f} s), best step "
                f"{res['best_step']}; accuracy at train lengths {100 * res['mean_train_lengths']:.1f}%, mean over "
@@ -110,6 +116,8 @@ def eval_(
     p: Optional[float] = typer.Option(None, help="Parity only: P(sigma=1) at test time"),
     out: Optional[Path] = typer.Option(None, help="write eval.json and a per-length plot here"),
     threads: int = 1,
+    device: str = DeviceOpt,
+    dtype: str = REG_DTYPE,
 ):
     """Score a trained run at every valid length from --min to --max."""
     import numpy as np
@@ -117,9 +125,12 @@ def eval_(
     from ..regular.plots import plot_per_length
     from ..regular.tasks import make_task
     from ..regular.train import evaluate_lengths, load_run
+    from ..train import placement
 
     _threads(threads)
+    place = placement(device, dtype)
     model, cfg, _ = load_run(run_dir)
+    place.put(model)
     rc = cfg.resolved()
     opts = dict(cfg.task_options, **({"p": p} if p is not None else {}))
     task = make_task(cfg.task, **opts)
@@ -127,7 +138,8 @@ def eval_(
     lengths = task.lengths(lo, hi)[::max(1, stride)]
     if not lengths:
         raise UserError(f"no valid length in [{lo}, {hi}] for task {cfg.task}")
-    acc = evaluate_lengths(model, task, lengths, samples, cfg.seed, progress=True)
+    with place.autocast():
+        acc = evaluate_lengths(model, task, lengths, samples, cfg.seed, progress=True)
     mean = float(np.mean(list(acc.values())))
     typer.echo(f"{cfg.task}/{cfg.model}: mean accuracy {100 * mean:.2f}% over {len(acc)} lengths {lengths[0]}..{lengths[-1]}"
                f" (worst {100 * min(acc.values()):.1f}% at T={min(acc, key=acc.get)})")
@@ -147,6 +159,10 @@ def table(
     budget: str = typer.Option("quick", help="quick: CPU step caps (3000, transformer 2000, early stop; "
                                "transformer scored on every 5th length 41..500); thesis: Table 6.5 sizes "
                                "(hidden 256, lr 3e-4, 100k steps; GPU-scale)"),
+    only: Optional[str] = typer.Option(None, help="run and tabulate only these TASK:COLUMN cells, comma-separated; "
+                                       "'gaps' = the cells the quick budget does not reproduce ("
+                                       "modular_arithmetic:regulargpt-C2,cycle_navigation:regulargpt-C3,"
+                                       "tomita6:regulargpt-C3)"),
     steps: Optional[int] = typer.Option(None, help="max steps per run (overrides the budget)"),
     test_stride: Optional[int] = None,
     test_samples: Optional[int] = None,
@@ -157,6 +173,10 @@ def table(
     workers: int = typer.Option(1, help="train missing runs in this many processes at once "
                                 "(e.g. the number of cores with --threads 1)"),
     progress: bool = True,
+    probe_steps: int = typer.Option(20, help="--plan: time this many steps of a column with no finished run "
+                                    "on --device to project it (0: no probe)"),
+    device: str = DeviceOpt,
+    dtype: str = REG_DTYPE,
 ):
     """Thesis Table 6.1 in one command (resumable: finished runs are reused).
 
@@ -164,19 +184,19 @@ def table(
 
     table.md ends with the measured compute time and the projection for missing runs (--plan: only that).
     """
-    from ..regular.table import _hours, regular_table, wall_time
+    from ..regular.plan import plan as plan_table
+    from ..regular.plan import plan_lines
+    from ..regular.table import THESIS_GAPS, regular_table
 
     _threads(threads)
-    over = dict(steps=steps, test_stride=test_stride, test_samples=test_samples)
+    over = dict(steps=steps, test_stride=test_stride, test_samples=test_samples, device=device, precision=dtype)
+    only = THESIS_GAPS if only == "gaps" else only
     if plan:
-        wt = wall_time(out, tasks, models, seeds, budget, _per_model(run_opt), **over)
-        typer.echo(f"{wt['done']}/{wt['runs']} runs finished ({_hours(wt['measured_s'])} measured); "
-                   f"{wt['missing']} missing, estimated {_hours(wt['estimated_missing_s'])}; projected full "
-                   f"table {_hours(wt['projected_total_s'])}"
-                   + (f" + {len(wt['unknown'])} runs with no estimate" if wt["unknown"] else ""))
+        wt = plan_table(out, tasks, models, seeds, budget, _per_model(run_opt), only, probe_steps, **over)
+        typer.echo("\n".join(plan_lines(wt)))
         return
     res = regular_table(out, tasks, models, seeds, progress, _per_model(run_opt), skip_missing, budget,
-                        workers=workers, threads=threads, **over)
+                        workers=workers, threads=threads, only=only, **over)
     typer.echo((Path(out) / "table.md").read_text())
     typer.echo(f"wrote {out}/table.md, table.json and plots/ ({len(res['tasks'])} tasks)")
 

@@ -3,7 +3,8 @@
 The cache folder ``<cache_dir>/data/<corpus>-<tokenizer>-<key>`` is keyed by the corpus hash
 (sha256 of the manifest), tokenizer settings and split settings; it is built in a temp folder
 and renamed into place, so it is either complete or absent. A second call re-reads and hashes
-the corpus (tens of ms for the 10 MB stdlib) and opens the cached streams. Building holds a lock
+the corpus (tens of ms for the 10 MB stdlib; the Linux tarball is found by its path, size and mtime
+instead, see ``_archive_pointer``) and opens the cached streams. Building holds a lock
 on the entry (``.<entry>.lock``, ``fcntl.flock``): a concurrent prepare of the same dataset waits
 and then reuses it, and temp folders left by a killed prepare are removed by the next one.
 """
@@ -54,7 +55,7 @@ def dataset_key(corpus_hash: str, cfg) -> str:
 
 def _slug(spec: str) -> str:
     spec = spec.rstrip("/")
-    base = spec if spec in ("stdlib", "pydoc") else spec.split(":", 1)[0] + "-" + re.split(r"[/:]", spec)[-1]
+    base = spec if spec in ("stdlib", "pydoc", "linux") else spec.split(":", 1)[0] + "-" + re.split(r"[/:]", spec)[-1]
     return re.sub(r"[^A-Za-z0-9._-]+", "_", base)[:40]
 
 
@@ -64,6 +65,38 @@ def prepare(cfg, progress: bool = True) -> TokenData:
     check_split_settings(cfg.valid_percent, cfg.test_percent)
     if cfg.max_bytes < 0:
         raise UserError(f"data.max_bytes={cfg.max_bytes} must be >= 0 (0 = whole corpus)")
+    pointer = _archive_pointer(cfg)
+    if pointer is not None and pointer.is_file():  # the same archive file, settings and rules: skip re-reading it
+        try:
+            return load(pointer.parent / json.loads(pointer.read_text())["folder"])
+        except (UserError, ValueError, KeyError, TypeError, OSError):
+            pass  # stale or damaged: read the archive again below
+    data = _prepare_read(cfg, progress)
+    if pointer is not None:
+        atomic_write_json(pointer, {"folder": data.path.name, "corpus": cfg.corpus})
+    return data
+
+
+def _archive_pointer(cfg) -> Path | None:
+    """For a corpus read from one large archive (``linux``): ``<cache>/data/.archive-<key>.json`` naming the
+    prepared folder, keyed by the archive's path, size and mtime and every setting that shapes the data,
+    so a second prepare (each sweep run, ``eval RUN``) does not decompress and hash ~1 GB again (~1 min).
+    None for the other corpora: re-reading them costs tens of ms and catches any edit."""
+    from .linux import RULES_VERSION, linux_tarball
+
+    spec = (cfg.corpus or "").strip()
+    if spec != "linux" and not spec.startswith("linux:"):
+        return None
+    path = Path(spec.partition(":")[2]).expanduser() if spec.partition(":")[2] else linux_tarball()
+    if path is None or not path.is_file():
+        return None  # read_corpus raises the one-line error
+    st = path.stat()
+    raw = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, RULES_VERSION, cfg.max_bytes, DATA_FORMAT,
+                      cfg.tokenizer, cfg.vocab_size, TOKENIZER_VERSION, cfg.valid_percent, cfg.test_percent])
+    return Path(cfg.cache_dir) / "data" / f".archive-{hashlib.sha256(raw.encode()).hexdigest()[:16]}.json"
+
+
+def _prepare_read(cfg, progress: bool) -> TokenData:
     corpus = read_corpus(cfg.corpus, cfg.max_bytes)
     manifest = corpus.manifest()
     chash = manifest_hash(manifest)

@@ -5,6 +5,8 @@ Specs accepted by :func:`read_corpus` (``data.corpus``):
 - ``stdlib``  the running interpreter's standard-library ``.py`` source (code corpus, like the
   papers' GitHub set), without tests, site-packages, build config and generated tables;
 - ``pydoc``   Debian ``python3-doc``'s reStructuredText sources (English prose corpus);
+- ``linux``   the Linux kernel's ``.c``/``.h`` files from Debian's ``linux-source`` tarball (large
+  code corpus for ~100M-parameter models; ``linux:<tarball>`` for another one; see ``linux.py``);
 - ``path:<file or folder>``  any text file or folder (binary files skipped and counted);
 - ``hf:<dataset>[:<config>][@split]``  a Hugging Face dataset (needs ``datasets``; online once).
 
@@ -18,12 +20,12 @@ import hashlib
 import os
 import re
 import sysconfig
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..io import UserError
+from .documents import (SPLITS, Corpus, Document, _decode, assign_splits, manifest_hash,  # noqa: F401 (re-exported)
+                        split_bucket, split_of)
 
-SPLITS = ("train", "valid", "test")
 SINGLE_FILE_PIECE_BYTES = 64 * 1024  # a one-file corpus is cut into pieces so every split gets some
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "lib-dynload", "__pycache__", "test", "tests",
                      "idle_test", "testmock", "testdata"}
@@ -32,73 +34,7 @@ PROSE_HINT = ("prose corpus not installed; run `make prose` (sudo apt-get instal
               "or use --set data.corpus=stdlib")
 
 
-@dataclass(frozen=True)
-class Document:
-    path: str  # relative, '/'-separated
-    text: str
-
-    @property
-    def data(self) -> bytes:
-        return self.text.encode("utf-8")
-
-
-@dataclass
-class Corpus:
-    name: str  # the spec it was read from
-    documents: list[Document]  # sorted by path
-    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
-    root: str = ""
-
-    def manifest(self) -> list[dict]:
-        out = []
-        for d in self.documents:
-            raw = d.data
-            out.append({"path": d.path, "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)})
-        return out
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(len(d.data) for d in self.documents)
-
-
-def manifest_hash(manifest: list[dict]) -> str:
-    """sha256 of the canonical listing ``sha256<TAB>bytes<TAB>path`` per line, sorted by path."""
-    lines = "".join(f"{m['sha256']}\t{m['bytes']}\t{m['path']}\n" for m in sorted(manifest, key=lambda m: m["path"]))
-    return hashlib.sha256(lines.encode("utf-8")).hexdigest()
-
-
-def split_bucket(path: str) -> int:
-    """0..99 from the first 8 hex digits of sha256(relative path)."""
-    return int(hashlib.sha256(path.encode("utf-8")).hexdigest()[:8], 16) % 100
-
-
-def split_of(path: str, valid_percent: int, test_percent: int) -> str:
-    b = split_bucket(path)
-    if b < test_percent:
-        return "test"
-    if b < test_percent + valid_percent:
-        return "valid"
-    return "train"
-
-
-def assign_splits(docs: list[Document], valid_percent: int, test_percent: int) -> dict[str, list[Document]]:
-    out: dict[str, list[Document]] = {s: [] for s in SPLITS}
-    for d in docs:
-        out[split_of(d.path, valid_percent, test_percent)].append(d)
-    return out
-
-
 # ---- file-system corpora ------------------------------------------------------------------------
-def _decode(raw: bytes) -> str | None:
-    """Text of a file, or None for binary (NUL byte or not UTF-8)."""
-    if b"\x00" in raw:
-        return None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return text[1:] if text.startswith("\ufeff") else text
-
 
 def _order(candidates: list[tuple[str, Path, int]], max_bytes: int) -> list[tuple[str, Path, int]]:
     """Reading order. With ``max_bytes`` the paths go in split-hash order, so the prefix that fits
@@ -293,12 +229,17 @@ def read_corpus(spec: str, max_bytes: int = 0) -> Corpus:
         corpus = stdlib_corpus(max_bytes)
     elif spec == "pydoc":
         corpus = pydoc_corpus(max_bytes)
+    elif spec == "linux" or spec.startswith("linux:"):
+        from .linux import linux_corpus
+
+        corpus = linux_corpus(max_bytes, spec.partition(":")[2] or None)
     elif spec.startswith("path:"):
         corpus = path_corpus(spec[len("path:"):], max_bytes)
     elif spec.startswith("hf:"):
         corpus = hf_corpus(spec, max_bytes)
     else:
-        raise UserError(f"unknown corpus {spec!r}; use stdlib, pydoc, path:<file or folder> or hf:<dataset>[:<config>][@split]")
+        raise UserError(f"unknown corpus {spec!r}; use stdlib, pydoc, linux, path:<file or folder> or "
+                        "hf:<dataset>[:<config>][@split]")
     if not corpus.documents:
         raise UserError(f"corpus {spec} has no documents; use a different data.corpus")
     return corpus

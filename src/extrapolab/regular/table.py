@@ -25,7 +25,7 @@ from .erf import erf_for_table, erf_markdown
 from .parallel import cpu_count, job_cost, run_jobs
 from .plots import plot_per_length
 from .tasks import BHATTACHARYA, DELETANG, make_task
-from .train import RegularRunConfig, evaluate_lengths, load_run, run
+from .train import PLACEMENT, RegularRunConfig, evaluate_lengths, load_run, run, run_placement
 
 #: column -> run options (model kind, its options, learning rate, ...); CPU-sized: the thesis
 #: trains 100k steps at hidden size 256 (Table 6.5), these stop at 3000 (2000 for the O(T²)
@@ -135,9 +135,10 @@ def ensure_run(cfg: RegularRunConfig, run_dir: Path, progress: bool = True, trai
     if res.is_file():
         try:
             old = json.loads(res.read_text())
-            # through from_dict, so options added later compare at their defaults
-            saved = asdict(RegularRunConfig.from_dict(old.get("config") or {}))
-            if json.loads(json.dumps(saved)) == json.loads(json.dumps(asdict(cfg.resolved()))):
+            # through from_dict, so options added later compare at their defaults; where a run computed
+            # (device, precision) is not what it is, so a run trained on another device is reused
+            saved = _identity(RegularRunConfig.from_dict(old.get("config") or {}))
+            if saved == _identity(cfg.resolved()):
                 return old
         except (ValueError, OSError, TypeError, UserError):
             pass
@@ -148,6 +149,45 @@ def ensure_run(cfg: RegularRunConfig, run_dir: Path, progress: bool = True, trai
     return out
 
 
+def _identity(cfg: RegularRunConfig) -> dict:
+    d = {k: v for k, v in asdict(cfg).items() if k not in PLACEMENT}
+    return json.loads(json.dumps(d))
+
+
+def parse_cells(only) -> list[tuple[str, str]]:
+    """``"modular_arithmetic:regulargpt-C2,tomita6:regulargpt-C3"`` (or a list) -> [(task, column)]."""
+    items = only.split(",") if isinstance(only, str) else list(only)
+    cells = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        task, sep, model = item.partition(":")
+        if not sep or not task or not model:
+            raise UserError(f"--only cell {item!r} must look like TASK:COLUMN, e.g. modular_arithmetic:regulargpt-C2")
+        make_task(task.strip())  # unknown task -> one-line error naming the valid ones
+        if model.strip() not in MODEL_SPECS:
+            raise UserError(f"unknown table column {model.strip()!r} in --only; valid: {', '.join(MODEL_SPECS)}")
+        if (task.strip(), model.strip()) not in cells:
+            cells.append((task.strip(), model.strip()))
+    if not cells:
+        raise UserError("--only needs at least one TASK:COLUMN cell, e.g. modular_arithmetic:regulargpt-C2")
+    return cells
+
+
+def _grid(tasks, models, only) -> tuple[list, list, set | None]:
+    """(tasks, models, cells or None): ``only`` limits the table to those (task, column) cells."""
+    if only is None:
+        return _parse_list(tasks, DELETANG + BHATTACHARYA), _parse_list(models, DEFAULT_MODELS), None
+    cells = parse_cells(only)
+    ts = _parse_list(tasks, dict.fromkeys(t for t, _ in cells))
+    ms = _parse_list(models, dict.fromkeys(m for _, m in cells))
+    return ts, ms, {c for c in cells if c[0] in ts and c[1] in ms}
+
+
+#: the cells the quick budget does not reproduce (docs/results/regular-table-6.1.md), for --budget thesis
+THESIS_GAPS = "modular_arithmetic:regulargpt-C2,cycle_navigation:regulargpt-C3,tomita6:regulargpt-C3"
+
+
 def _parse_list(value, default, kind=str) -> list:
     if value is None:
         return list(default)
@@ -155,14 +195,14 @@ def _parse_list(value, default, kind=str) -> list:
     return [kind(v.strip() if isinstance(v, str) else v) for v in items if str(v).strip()]
 
 
-def _planned(tasks, models, seeds: int, budget: str, per_model: dict, overrides: dict) -> dict:
+def _planned(tasks, models, seeds: int, budget: str, per_model: dict, overrides: dict, cells=None) -> dict:
     return {(t, m, s): run_config(t, m, s, budget, **{**overrides, **per_model.get(m, {})})
-            for t in tasks for m in models for s in range(seeds)}
+            for t in tasks for m in models for s in range(seeds) if cells is None or (t, m) in cells}
 
 
 def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bool = True,
                   per_model: dict | None = None, skip_missing: bool = False, budget: str = "quick",
-                  workers: int = 1, threads: int = 1, **overrides) -> dict:
+                  workers: int = 1, threads: int = 1, only=None, **overrides) -> dict:
     """Run (or reuse) every (task, model, seed) and write table.json, table.md and plots.
 
     ``budget``: a preset of ``BUDGETS`` ("quick" on a CPU, "thesis" = Table 6.5 sizes);
@@ -171,28 +211,33 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
     ``skip_missing``: only tabulate runs already on disk (cells without runs show "—").
     ``workers`` > 1: train the missing runs in that many spawned processes of ``threads`` torch
     threads each (see ``parallel.py``); the table records this invocation's wall-clock time.
+    ``only``: "TASK:COLUMN,..." cells to run and tabulate instead of the whole tasks x models grid
+    (e.g. ``THESIS_GAPS``). ``device`` / ``precision`` in ``overrides`` place every run (see
+    ``RegularRunConfig``); they do not change which finished runs are reused.
     """
     t0 = time.perf_counter()
     per_model = per_model or {}
     out = Path(out_dir)
-    tasks = _parse_list(tasks, DELETANG + BHATTACHARYA)
-    models = _parse_list(models, DEFAULT_MODELS)
+    tasks, models, cells = _grid(tasks, models, only)
     if seeds < 1:
         raise UserError(f"seeds must be >= 1, got {seeds}")
     if workers < 1 or threads < 1:
         raise UserError(f"workers and threads must be >= 1, got {workers} and {threads}")
-    cfgs = _planned(tasks, models, seeds, budget, per_model, overrides)
+    cfgs = _planned(tasks, models, seeds, budget, per_model, overrides, cells)
     dirs = {k: out / "runs" / k[0] / k[1] / f"seed{k[2]}" for k in cfgs}
     found = {k: ensure_run(cfg, dirs[k], progress=False, train=False) for k, cfg in cfgs.items()}
     todo = {} if skip_missing else {k: (cfgs[k], dirs[k], job_cost(k[1], make_task(k[0]).family))
                                     for k, r in found.items() if r is None}
+    if todo:  # a missing device fails here, once, before any run starts
+        run_placement(next(iter(todo.values()))[0])
     found.update(run_jobs(todo, ensure_run, workers, threads, progress))
     rows = {}
     for (t, m, s) in cfgs:
         if found[(t, m, s)] is not None:
             rows.setdefault(t, {}).setdefault(m, []).append(found[(t, m, s)])
     table = {"tasks": {}, "seeds": seeds, "budget": budget, "overrides": overrides, "per_model": per_model,
-             "wall_time": wall_time(out, tasks, models, seeds, budget, per_model, **overrides)}
+             "only": sorted(f"{t}:{m}" for t, m in cells) if cells is not None else None,
+             "wall_time": wall_time(out, tasks, models, seeds, budget, per_model, only=only, **overrides)}
     table["invocation"] = {"trained": len(todo), "reused": len(cfgs) - len(todo), "workers": workers,
                            "threads": threads if workers > 1 else torch.get_num_threads(),
                            "cpus": cpu_count(), "elapsed_s": None}
@@ -227,7 +272,7 @@ def _run_seconds(res: dict) -> float:
 
 
 def wall_time(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "quick",
-              per_model: dict | None = None, **overrides) -> dict:
+              per_model: dict | None = None, only=None, **overrides) -> dict:
     """Measured and projected compute time of ``regular table`` (same arguments).
 
     Every planned run whose result is on disk with the same config counts its recorded
@@ -236,9 +281,8 @@ def wall_time(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "q
     41..500; Bhattacharya: 51..100), else on any task; "unknown" when the column has no run.
     """
     out = Path(out_dir)
-    tasks = _parse_list(tasks, DELETANG + BHATTACHARYA)
-    models = _parse_list(models, DEFAULT_MODELS)
-    cfgs = _planned(tasks, models, seeds, budget, per_model or {}, overrides)
+    tasks, models, cells = _grid(tasks, models, only)
+    cfgs = _planned(tasks, models, seeds, budget, per_model or {}, overrides, cells)
     done: dict = {}
     for (t, m, s), cfg in cfgs.items():
         res = ensure_run(cfg, out / "runs" / t / m / f"seed{s}", progress=False, train=False)

@@ -18,6 +18,7 @@ Modular Arithmetic, the 25 even lengths 52..100 for D_n).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
@@ -34,6 +35,8 @@ from .baselines import build_model
 from .tasks import IGNORE, make_task
 
 VAL_STREAM, TEST_STREAM, TRAIN_STREAM = 7001, 7002, 7003
+#: RegularRunConfig fields that say where a run computes, not what: ignored when a finished run is matched
+PLACEMENT = ("device", "precision")
 
 
 @dataclass
@@ -60,6 +63,11 @@ class RegularRunConfig:
     test_samples: int = 128
     eval_tokens: int = 8192  # tokens per evaluation batch (memory bound)
     supervision: str = "last"  # "last": the label of the whole string | "prefix": of every prefix
+    # where the run trains and is scored, and the forward passes' autocast (``train.placement``
+    # rules: auto = CUDA when visible / bf16 on such a GPU). PLACEMENT: not part of the run's identity,
+    # so a table resumes a run trained elsewhere; result.json records what was used.
+    device: str = "cpu"
+    precision: str = "fp32"  # fp32 | bf16 | auto
 
     @classmethod
     def from_dict(cls, d: dict) -> "RegularRunConfig":
@@ -105,11 +113,12 @@ def accuracy_at(model, task, length: int, samples: int, rng: np.random.Generator
     was_training = model.training
     model.eval()
     per = max(1, min(samples, eval_tokens // max(1, length)))
+    dev = _device_of(model)
     correct = 0
     for s in range(0, samples, per):
         x, y = task.sample(rng, min(per, samples - s), length)
-        pred = model(torch.from_numpy(x)).argmax(-1)  # [b]
-        correct += int((pred == torch.from_numpy(y)).sum())
+        pred = model(torch.from_numpy(x).to(dev)).argmax(-1)  # [b]
+        correct += int((pred == torch.from_numpy(y).to(dev)).sum())
     model.train(was_training)
     return correct / samples
 
@@ -123,20 +132,53 @@ def evaluate_lengths(model, task, lengths, samples: int = 128, seed: int = 0,
     return out
 
 
-def _loss(model, task, x: np.ndarray, y: np.ndarray, supervision: str) -> torch.Tensor:
-    """Cross-entropy of the final label, or (``"prefix"``) the mean over every labelled prefix."""
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _loss(model, task, x: np.ndarray, y: np.ndarray, supervision: str, place=None) -> torch.Tensor:
+    """Cross-entropy of the final label, or (``"prefix"``) the mean over every labelled prefix.
+    The forward runs under ``place``'s autocast; the loss is taken on fp32 logits."""
+    dev = _device_of(model)
+    with place.autocast() if place is not None else contextlib.nullcontext():
+        if supervision == "prefix":
+            logits = model.forward_prefixes(torch.from_numpy(x).to(dev))  # [B, T, classes]
+        else:
+            logits = model(torch.from_numpy(x).to(dev))  # [B, classes]
     if supervision == "prefix":
-        logits = model.forward_prefixes(torch.from_numpy(x))  # [B, T, classes]
-        target = torch.from_numpy(task.prefix_labels(x))  # [B, T], IGNORE where no label
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE)
-    return F.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+        target = torch.from_numpy(task.prefix_labels(x)).to(dev)  # [B, T], IGNORE where no label
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE)
+    return F.cross_entropy(logits.float(), torch.from_numpy(y).to(dev))
+
+
+def run_placement(cfg: RegularRunConfig):
+    """The ``train.placement.Placement`` of ``cfg.device`` / ``cfg.precision`` (one-line error when absent)."""
+    from ..train import placement
+
+    return placement(cfg.device, cfg.precision)
+
+
+def train_step(model, opt, task, rng: np.random.Generator, lengths, cfg: RegularRunConfig, place) -> float:
+    """One optimizer step on a batch of ONE length drawn from ``lengths``; returns its loss."""
+    x, y = task.sample(rng, cfg.batch_size, int(rng.choice(lengths)))
+    loss = _loss(model, task, x, y, cfg.supervision, place)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    opt.step()
+    if hasattr(model, "constrain_"):
+        model.constrain_()
+    return loss.item()
 
 
 def fit(cfg: RegularRunConfig, progress: bool = True):
     """Train from scratch -> (best model, history list, info dict). ``cfg`` must be resolved."""
     task = make_task(cfg.task, **cfg.task_options)
+    place = run_placement(cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, task.vocab_size, task.num_classes, **cfg.model_options)
+    model = place.put(model)  # initialised on the CPU: the same weights on any device
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     rng = _rng(TRAIN_STREAM, cfg.seed)
     train_lengths = task.lengths(cfg.train_min, cfg.train_max)
@@ -147,21 +189,13 @@ def fit(cfg: RegularRunConfig, progress: bool = True):
                disable=not progress, leave=False)
     losses, streak = [], 0
     for step in bar:
-        x, y = task.sample(rng, cfg.batch_size, int(rng.choice(train_lengths)))
-        loss = _loss(model, task, x, y, cfg.supervision)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        if hasattr(model, "constrain_"):
-            model.constrain_()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, task, rng, train_lengths, cfg, place))
         if step % cfg.eval_every and step != cfg.steps:
             continue
-        acc_in = accuracy_at(model, task, in_len, cfg.val_samples, _rng(VAL_STREAM, cfg.seed, in_len))
-        acc_val = float(np.mean([accuracy_at(model, task, int(t), cfg.val_samples,
-                                             _rng(VAL_STREAM, cfg.seed, t)) for t in cfg.val_lengths]))
+        with place.autocast():
+            acc_in = accuracy_at(model, task, in_len, cfg.val_samples, _rng(VAL_STREAM, cfg.seed, in_len))
+            acc_val = float(np.mean([accuracy_at(model, task, int(t), cfg.val_samples,
+                                                 _rng(VAL_STREAM, cfg.seed, t)) for t in cfg.val_lengths]))
         history.append({"step": step, "loss": float(np.mean(losses)), "acc_train_len": acc_in,
                         "acc_val": acc_val, "seconds": time.perf_counter() - t0})
         losses = []
@@ -178,7 +212,7 @@ def fit(cfg: RegularRunConfig, progress: bool = True):
     model.load_state_dict(best)
     info = {"steps_run": history[-1]["step"], "best_step": best_step, "train_seconds": train_seconds,
             "best_acc_val": best_key[0], "best_acc_train_len": best_key[1],
-            "num_params": sum(p.numel() for p in model.parameters())}
+            "num_params": sum(p.numel() for p in model.parameters()), "placement": place.describe()}
     return model, history, info
 
 
@@ -203,15 +237,19 @@ TEST_OPTIONS = ("test_min", "test_max", "test_stride", "test_samples", "eval_tok
 def _score(model, cfg: RegularRunConfig, progress: bool = False) -> dict:
     """The result.json fields of the final evaluation of a trained model (``cfg`` resolved)."""
     task = make_task(cfg.task, **cfg.task_options)
+    place = run_placement(cfg)
+    model = place.put(model)
     t0 = time.perf_counter()
     test_lengths = task.lengths(cfg.test_min, cfg.test_max)[:: cfg.test_stride]
-    per_len = evaluate_lengths(model, task, test_lengths, cfg.test_samples, cfg.seed,
-                               cfg.eval_tokens, progress)
     in_lengths = task.lengths(cfg.train_min, cfg.train_max)
-    per_in = evaluate_lengths(model, task, in_lengths, cfg.test_samples, cfg.seed, cfg.eval_tokens)
+    with place.autocast():
+        per_len = evaluate_lengths(model, task, test_lengths, cfg.test_samples, cfg.seed,
+                                   cfg.eval_tokens, progress)
+        per_in = evaluate_lengths(model, task, in_lengths, cfg.test_samples, cfg.seed, cfg.eval_tokens)
     return {
         "task": task.describe(),
         "eval_seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
+        "eval_placement": place.describe(),
         "test_lengths": {"min": cfg.test_min, "max": cfg.test_max, "stride": cfg.test_stride,
                          "count": len(test_lengths), "samples_per_length": cfg.test_samples},
         "mean_test": float(np.mean(list(per_len.values()))),
@@ -227,9 +265,9 @@ def reevaluate(run_dir, progress: bool = False, **test_options) -> dict:
     """Score a finished run again with other ``TEST_OPTIONS`` and rewrite its config.json and
     result.json (training record kept). Training never reads these options (the test strings come
     from their own seed stream), so the result is what a fresh run with the new config gives."""
-    bad = sorted(set(test_options) - set(TEST_OPTIONS))
+    bad = sorted(set(test_options) - set(TEST_OPTIONS) - set(PLACEMENT))
     if bad:
-        raise UserError(f"reevaluate changes only {', '.join(TEST_OPTIONS)}, not {bad}")
+        raise UserError(f"reevaluate changes only {', '.join(TEST_OPTIONS + PLACEMENT)}, not {bad}")
     model, cfg, old = load_run(run_dir)
     if not old:
         raise UserError(f"{Path(run_dir) / 'result.json'} is missing; train the run first")
@@ -243,7 +281,7 @@ def save_run(out_dir, cfg: RegularRunConfig, model, result: dict) -> None:
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     atomic_write_json(out / "config.json", asdict(cfg))
     atomic_write_with(out / "model.safetensors", lambda p: save_file(state, str(p)))
     atomic_write_json(out / "result.json", {k: v for k, v in result.items() if k != "model"})

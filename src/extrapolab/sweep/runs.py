@@ -34,10 +34,11 @@ def _temperature(spec: str, run: Path, lengths: list[int]) -> float | dict:
 
 
 def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str = "1.0",
-             overrides=None, which: str = "best") -> dict:
+             overrides=None, which: str = "best", device: str = "auto", dtype: str = "auto") -> dict:
+    """Evaluate ``run`` on ``device`` under ``dtype`` autocast (train.placement rules; recorded in eval.json)."""
     from ..data import prepare
     from ..eval import evaluate_config
-    from ..train import load_model
+    from ..train import load_model, placement
 
     run = Path(run)
     if not (run / "config.yaml").is_file():
@@ -49,12 +50,19 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
     if protocols:
         ecfg.protocols = list(protocols)
     ecfg.lengths = _lengths(lengths) or ecfg.lengths
-    model, _ = load_model(run, which=which)
+    place = placement(device, dtype)
+    model, _ = load_model(run, which=which, device=place.device)
     model.eval()
     data = prepare(cfg.data, progress=False)
     tokens = data.split(ecfg.split)
     tau = _temperature(temperature, run, ecfg.lengths)
-    res, md = _evaluate_taus(tau, ecfg, lambda e: evaluate_config(model, tokens, e, cfg.model.train_length))
+
+    def run_fn(e):
+        with place.autocast():
+            return evaluate_config(model, tokens, e, cfg.model.train_length)
+
+    res, md = _evaluate_taus(tau, ecfg, run_fn)
+    res["placement"] = place.describe()
     name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
     atomic_write_json(run / name, res)
     return {"result": res, "markdown": md, "path": run / name}

@@ -231,13 +231,15 @@ def evaluate_models(out: Path, base: C.RunConfig, spec: SweepSpec, db: ResultsDB
 def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data) -> tuple[list, list, dict]:
     """Evaluate a trained run with cfg.eval; flatten to DB rows (scalars, series) + cost extras."""
     from ..eval import evaluate_config
-    from ..train import load_model
+    from ..train import load_model, run_placement
 
-    model, _ = load_model(run_dir, which="best")
+    place = run_placement(cfg.train)  # evaluate where (and in the precision) the run trained
+    model, _ = load_model(run_dir, which="best", device=place.device)
     model.eval()
     tokens = data.split(cfg.eval.split)
     t = time.time()
-    res = evaluate_config(model, tokens, cfg.eval, cfg.model.train_length)
+    with place.autocast():
+        res = evaluate_config(model, tokens, cfg.eval, cfg.model.train_length)
     from ..io import atomic_write_json
 
     atomic_write_json(Path(run_dir) / "eval.json", res)
@@ -247,8 +249,9 @@ def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data) -> tuple[list, list,
         from ..analysis.runner import sweep_analysis
 
         t = time.time()
-        an = sweep_analysis(model, cfg, tokens, length=cfg.eval.erf_length, segments=cfg.eval.erf_segments,
-                            eps=cfg.eval.trf_eps)
+        with place.autocast():
+            an = sweep_analysis(model, cfg, tokens, length=cfg.eval.erf_length, segments=cfg.eval.erf_segments,
+                                eps=cfg.eval.trf_eps)
         atomic_write_json(Path(run_dir) / "analysis.json", an)
         extra["analysis_wall_s"] = time.time() - t
         e = an["erf"]

@@ -71,17 +71,28 @@ class DistEnv:
             dist.destroy_process_group()
 
 
-def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
+def resolve_device(spec: str, local_rank: int = 0, what: str = "train.device") -> torch.device:
+    """auto | cpu | cuda | cuda:N -> a torch.device (``what`` names the setting in errors, e.g. --device)."""
     spec = (spec or "auto").strip()
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
+    flag = what.startswith("--")  # a CLI option (--device cuda) or a config key (train.device=cuda)
+    fix = f"{what} cpu" if flag else f"--set {what}=cpu"
+    shown = f"{what} {spec}" if flag else f"{what}={spec}"
     if spec == "cpu":
         return torch.device("cpu")
     if spec.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise UserError(f"train.device={spec} but no CUDA device is visible; use --set train.device=cpu")
-        return torch.device("cuda", local_rank) if spec == "cuda" else torch.device(spec)
-    raise UserError(f"unknown train.device {spec!r}; use auto, cpu, cuda or cuda:N")
+            raise UserError(f"{shown} but no CUDA device is visible; use {fix}")
+        try:
+            dev = torch.device("cuda", local_rank) if spec == "cuda" else torch.device(spec)
+        except RuntimeError:
+            raise UserError(f"unknown {what} {spec!r}; use auto, cpu, cuda or cuda:N") from None
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"{shown} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                            f"use cuda:0..cuda:{torch.cuda.device_count() - 1}")
+        return dev
+    raise UserError(f"unknown {what} {spec!r}; use auto, cpu, cuda or cuda:N")
 
 
 def setup(device_spec: str) -> DistEnv:

@@ -18,15 +18,18 @@ from ..io import UserError
 from . import dist as D
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
+def resolve_precision(precision: str, device: torch.device, what: str = "train.precision") -> str:
+    """auto | fp32 | bf16 | fp16 -> the autocast precision (``what`` names the setting in errors)."""
     if precision == "auto":
         if device.type == "cuda":
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         return "fp32"
     if precision not in ("fp32", "bf16", "fp16"):
-        raise UserError(f"unknown train.precision {precision!r}; use auto, fp32, bf16 or fp16")
+        raise UserError(f"unknown {what} {precision!r}; use auto, fp32, bf16 or fp16")
     if precision == "fp16" and device.type != "cuda":
-        raise UserError("train.precision=fp16 needs a CUDA device; use --set train.precision=bf16 or fp32 on CPU")
+        flag = what.startswith("--")  # a CLI option (--dtype fp16) or a config key (train.precision=fp16)
+        fix = f"{what} bf16 or fp32" if flag else f"--set {what}=bf16 or fp32"
+        raise UserError(f"{what}{' ' if flag else '='}fp16 needs a CUDA device; use {fix} on CPU")
     return precision
 
 

@@ -1,0 +1,62 @@
+"""The --device/--dtype paths on CUDA (marked gpu: skipped without a CUDA device; run `pytest -m gpu`).
+Each compares with the CPU path of test_device.py / test_device_regular.py on the same inputs."""
+import json
+import sqlite3
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from extrapolab.regular.plan import probe_run
+from extrapolab.regular.train import RegularRunConfig, load_run, run
+from extrapolab.sweep.runs import eval_run
+from extrapolab.sweep.sweep import run_sweep
+from extrapolab.train import placement
+
+from test_device import run as run  # noqa: F401  (the tiny trained run fixture)
+
+pytestmark = pytest.mark.gpu
+
+
+def test_auto_is_cuda_with_bf16():
+    p = placement()
+    assert p.device.type == "cuda" and p.precision == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+    with p.autocast():
+        y = torch.nn.Linear(8, 8).to(p.device)(torch.ones(2, 8, device=p.device))
+    assert y.dtype in (torch.bfloat16, torch.float16)
+
+
+def test_eval_on_cuda_matches_cpu(run):  # noqa: F811
+    cpu = eval_run(run, device="cpu", dtype="fp32")["result"]
+    gpu = eval_run(run, device="cuda", dtype="fp32")["result"]
+    bf16 = eval_run(run, device="cuda", dtype="bf16")["result"]
+    assert gpu["placement"]["device"].startswith("cuda")
+    for L, v in cpu["ppl"]["nonoverlapping"].items():
+        assert gpu["ppl"]["nonoverlapping"][L] == pytest.approx(v, rel=1e-3)
+        assert bf16["ppl"]["nonoverlapping"][L] == pytest.approx(v, rel=5e-2)
+
+
+def test_regular_run_trains_and_saves_from_cuda(tmp_path):
+    cfg = RegularRunConfig(task="parity", model="regulargpt", model_options={"dim": 16, "heads": 2}, steps=3,
+                           eval_every=1, val_samples=4, test_samples=4, test_max=44, train_max=6)
+    cpu = run(cfg, progress=False)
+    gpu = run(replace(cfg, device="cuda", precision="fp32"), tmp_path / "r", progress=False)
+    assert gpu["placement"]["device"].startswith("cuda")
+    assert gpu["history"][0]["loss"] == pytest.approx(cpu["history"][0]["loss"], rel=1e-4)  # same init, same batch
+    model, saved, _ = load_run(tmp_path / "r")  # weights were moved to the CPU to be saved
+    assert saved.device == "cuda" and next(model.parameters()).device.type == "cpu"
+    bf16 = run(replace(cfg, device="cuda", precision="bf16"), progress=False)
+    assert bf16["placement"]["precision"] == "bf16"
+    p = probe_run(replace(cfg, device="cuda", steps=100), steps=3, warmup=1)
+    assert p["device"].startswith("cuda") and p["projected_s"] > 0
+
+
+def test_smoke_sweep_trains_and_evaluates_on_cuda(tmp_path):
+    res = run_sweep("demo-smoke", out=tmp_path / "out", progress=False,
+                    overrides=[f"data.cache_dir={tmp_path / 'cache'}", "train.device=cuda", "sweep.seeds=[0]"])
+    con = sqlite3.connect(res["out"] / "results.sqlite")
+    assert con.execute("SELECT COUNT(*) FROM runs WHERE status='done'").fetchone()[0] == 3
+    for (rd,) in con.execute("SELECT run_dir FROM runs"):
+        summary = json.loads((Path(rd) / "summary.json").read_text())
+        assert summary["device"].startswith("cuda")
