@@ -146,7 +146,7 @@ def test_finished_run_is_not_retrained(finished, data, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a finished run must not build a model again")
 
-    monkeypatch.setattr("extrapolab.train.loop.GPT", boom)
+    monkeypatch.setattr("extrapolab.train.loop.build_model", boom)
     again = train(tiny_cfg(), run, data=data, progress=False)
     assert again == summary
     assert ((run / "metrics.jsonl").read_bytes(), (run / "summary.json").read_bytes()) == before

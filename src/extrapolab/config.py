@@ -225,8 +225,21 @@ def resolve(preset: str | None = None, overrides: list[str] | None = None, base:
     check_version(data)
     data.pop("sweep", None)
     cfg = from_dict(RunConfig, data)
+    regular_scheme(cfg, overrides)
     validate(cfg)
     return cfg
+
+
+def regular_scheme(cfg: RunConfig, overrides: list[str] | None = None) -> None:
+    """model.arch=regulargpt attends with eq. 6.1 itself: its scheme is sliding-dilated. A preset's
+    scheme is replaced; an explicit ``--set model.scheme=OTHER`` is refused (one line)."""
+    m = cfg.model
+    if m.arch != "regulargpt" or m.scheme == "sliding-dilated":
+        return
+    if any(str(o).split("=", 1)[0].strip() == "model.scheme" for o in overrides or []):
+        raise ConfigError(f"model.arch=regulargpt uses its own sliding-dilated attention (thesis eq. 6.1), "
+                          f"not model.scheme={m.scheme}; drop that override or use model.arch=gpt")
+    m.scheme, m.scheme_params = "sliding-dilated", {}
 
 
 def validate(cfg: RunConfig) -> None:
@@ -239,6 +252,11 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"model.{name} must be >= 1, got {getattr(m, name)}")
     if m.dim % m.heads:
         raise ConfigError(f"model.dim={m.dim} must be divisible by model.heads={m.heads}")
+    if m.arch not in ("gpt", "regulargpt"):
+        raise ConfigError(f"model.arch must be gpt or regulargpt, got {m.arch!r}")
+    if m.arch == "regulargpt" and (m.C < 2 or m.K < 1):
+        raise ConfigError(f"RegularGPT needs model.C >= 2 and model.K >= 1, got C={m.C}, K={m.K}; "
+                          "e.g. --set model.C=8 --set model.K=1")
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")

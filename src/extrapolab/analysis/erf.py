@@ -176,6 +176,9 @@ def attention_erf(model, segments, eps: float = 0.01, *, opts: AttnOptions | Non
     seg = as_segments(segments)
     dev = model_device(model)
     N, L = seg.shape
+    if not getattr(model, "dense_attention", True):  # RegularGPT: C keys per query per level, no rows
+        return {"eps": eps, "L": L, "per_layer_head": [], "mean": float("nan"), "max_head_mean": float("nan"),
+                "note": f"{type(model).__name__} has no dense attention rows (thesis eq. 6.1 reads C keys per level)"}
     pos = torch.arange(L, device=dev)
     out = np.zeros((len(model.blocks), model.cfg.heads))
     was_training = model.training

@@ -38,12 +38,20 @@ class ModelConfig:
     #: token embeddings (GPT-2 init, std init_std) are multiplied by this on input; 0 = sqrt(dim)
     #: with init std dim^-0.5 (Vaswani et al. §3.4 / fairseq convention)
     embed_scale: float = 1.0
+    #: "gpt" (this file) or "regulargpt": RegularGPT as an LM (model/regular_lm.py, Chi 2024 thesis
+    #: §6.2, §6.5): eq. 6.1 sliding-dilated attention, ceil(log_C T) levels of K shared sub-layers;
+    #: ``layers`` and ``scheme`` do not apply to it (its scheme is sliding-dilated with C, K)
+    arch: str = "gpt"
+    C: int = 8  # RegularGPT chunk size (eq. 6.1), >= 2
+    K: int = 1  # RegularGPT thickness: sub-layers per level, shared across levels (§6.2.2)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:
+    if cfg.arch == "regulargpt":  # its attention is eq. 6.1 itself (C, K from the model config)
+        return positional.build("sliding-dilated", num_heads=cfg.heads, C=cfg.C, K=cfg.K)
     params = dict(cfg.scheme_params or {})
     if cfg.scheme == "learned":
         params.setdefault("max_length", cfg.train_length)
@@ -171,6 +179,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    block_cls = Block  # subclasses (model/regular_lm.py) choose their block
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.dim % cfg.heads:
@@ -178,7 +188,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.scheme = build_scheme(cfg)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.blocks = nn.ModuleList(self.block_cls(cfg, i) for i in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.drop = nn.Dropout(cfg.dropout)

@@ -21,6 +21,16 @@ from .base import RelativeBias, SchemeError
 from .registry import register
 
 
+def num_levels(length: int, C: int) -> int:
+    """Levels ceil(log_C T) computed exactly in integers; at least 1 so every input passes a level
+    (thesis §6.2.2: adaptive depth; T = 1 still runs one level)."""
+    levels, reach = 0, 1
+    while reach < int(length):
+        reach *= C
+        levels += 1
+    return max(1, levels)
+
+
 @register
 class SlidingDilated(RelativeBias):
     name = "sliding-dilated"
@@ -54,6 +64,14 @@ class SlidingDilated(RelativeBias):
             ok = (d >= 0) & (d % step == 0) & (j < self.C)
         vals = self.r[:, j.clamp(0, self.C - 1)]  # [H, *dist.shape]
         return vals.masked_fill(~ok, -math.inf)
+
+    def level_offsets(self, level: int, length: int) -> torch.Tensor:
+        """Distances j·C^level of the keys a query sees at ``level`` (eq. 6.1), only for the
+        j < C with j·C^level < length (farther ones fall before position 0 for every query): [C'].
+        The bias at distance j·C^level is r_j at every level, i.e. ``self.r[:, :C']``."""
+        step = self.C ** int(level)
+        n = min(self.C, -(-int(length) // step))  # ceil(length / step), at least 1
+        return torch.arange(n, device=self.r.device) * step
 
     def receptive_field(self, levels: int) -> int:
         """Tokens the last query can reach after ``levels`` levels (thickness 1): C^levels."""

@@ -37,6 +37,7 @@ from torch import nn
 from .. import positional
 from ..io import UserError
 from ..model.attention import AttnOptions, attend
+from ..positional.sliding_dilated import num_levels  # noqa: F401 (re-exported: regular.num_levels)
 
 
 @dataclass
@@ -54,15 +55,6 @@ class RegularGPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def num_levels(length: int, C: int) -> int:
-    """ceil(log_C T) computed exactly in integers; at least 1 so every input passes a layer."""
-    levels, reach = 0, 1
-    while reach < length:
-        reach *= C
-        levels += 1
-    return max(1, levels)
 
 
 class SharedLayer(nn.Module):

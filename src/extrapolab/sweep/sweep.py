@@ -26,10 +26,11 @@ class SchemeSpec:
     name: str
     params: dict = field(default_factory=dict)
     label: str = ""
+    model: dict = field(default_factory=dict)  # model.* overrides of this entry, e.g. {arch: regulargpt, C: 8}
 
     def __post_init__(self):
         if not self.label:
-            extra = ",".join(f"{k}={v}" for k, v in self.params.items())
+            extra = ",".join(f"{k}={v}" for k, v in {**self.params, **self.model}.items())
             self.label = f"{self.name}({extra})" if extra else self.name
 
 
@@ -72,9 +73,11 @@ class SweepSpec:
             if isinstance(s, str):
                 schemes.append(SchemeSpec(s))
             elif isinstance(s, dict) and "name" in s:
-                schemes.append(SchemeSpec(s["name"], dict(s.get("params") or {}), s.get("label", "")))
+                schemes.append(SchemeSpec(s["name"], dict(s.get("params") or {}), s.get("label", ""),
+                                          dict(s.get("model") or {})))
             else:
-                raise UserError(f"sweep scheme entry {s!r} must be a name or {{name: ..., params: {{...}}}}")
+                raise UserError(f"sweep scheme entry {s!r} must be a name or {{name: ..., params: {{...}}, "
+                                "model: {...}}}")
         labels = [s.label for s in schemes]
         ref = str(d.get("reference") or labels[0])
         if ref not in labels:
@@ -95,11 +98,23 @@ def load_sweep(name_or_path: str, overrides: list[str] | None = None) -> tuple[C
     from ..positional import build
 
     for s in spec.schemes:  # fail fast on unknown schemes/options, before any training
+        entry_config(base, s)  # an entry's model.* overrides (RegularGPT C, K) are checked too
         params = dict(s.params)
         if s.name == "learned":
             params.setdefault("max_length", base.model.train_length)
         build(s.name, num_heads=base.model.heads, **params)
     return base, spec
+
+
+def entry_config(base: C.RunConfig, scheme: SchemeSpec) -> C.RunConfig:
+    """``base`` with this entry's scheme and model overrides, validated (a copy)."""
+    cfg = copy.deepcopy(base)
+    cfg.model.scheme, cfg.model.scheme_params = scheme.name, dict(scheme.params)
+    model = C.from_dict(type(cfg.model), {**cfg.model.to_dict(), **scheme.model}, "sweep scheme model")
+    cfg.model = model
+    C.regular_scheme(cfg, [f"model.scheme={scheme.name}"])  # the entry names its scheme explicitly
+    C.validate(cfg)
+    return cfg
 
 
 def run_id(dataset: str, scheme: SchemeSpec, seed: int) -> str:
@@ -139,9 +154,8 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
             _say(progress, f"[{i}/{len(grid)}] {rid}: skipped, another process is on it ({holder}); "
                            "re-run this sweep later for its results")
             continue
-        cfg = copy.deepcopy(base)
+        cfg = entry_config(base, scheme)
         cfg.name, cfg.out_dir = rid, str(out / "runs")
-        cfg.model.scheme, cfg.model.scheme_params = scheme.name, dict(scheme.params)
         cfg.train.seed, cfg.data.corpus = seed, dataset
         if workers > 1 and not cfg.train.threads:
             cfg.train.threads = max(1, (os.cpu_count() or 1) // workers)

@@ -32,6 +32,7 @@ from .. import config as config_mod
 from ..config import ConfigError, RunConfig
 from ..io import UserError, atomic_write_text, fsync_path
 from ..model.gpt import GPT, ModelConfig
+from ..model.regular_lm import build_model
 
 WEIGHTS, STATE, CONFIG, MANIFEST = "model.safetensors", "state.pt", "config.yaml", "manifest.json"
 # vocab_size is not here: it comes from the data, not the config (train() checks it separately)
@@ -230,6 +231,6 @@ def load_model(run_dir: str | Path, which: str = "best", device: str | torch.dev
             "; train it first with `extrapolab train`"
         raise UserError(f"run {run_dir} has no '{which}' checkpoint{hint}")
     ckpt = load_checkpoint(path, with_state=False)
-    model = GPT(ckpt.config.model)
+    model = build_model(ckpt.config.model)
     model.load_state_dict(full_weights(model, ckpt.weights, path))
     return model.to(device).eval(), ckpt.config

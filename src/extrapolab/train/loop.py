@@ -30,7 +30,7 @@ from .. import config as config_mod
 from ..config import RunConfig
 from ..io import UserError, run_lock
 from ..model.attention import flush_denormals
-from ..model.gpt import GPT
+from ..model.regular_lm import build_model
 from . import dist as D
 from . import records as R
 from .checkpoint import aliases, checkpoint_path, clean_stale, full_weights, load_checkpoint, save_checkpoint, unique_weights
@@ -130,7 +130,7 @@ class _Trainer:
         random.seed(tc.seed)
         np.random.seed(tc.seed)
         torch.manual_seed(tc.seed)
-        raw = GPT(cfg.model)
+        raw = build_model(cfg.model)  # GPT, or RegularGPT for model.arch=regulargpt
         self.alias = aliases(raw)
         if ckpt is not None:
             raw.load_state_dict(full_weights(raw, ckpt.weights, ckpt.path))
