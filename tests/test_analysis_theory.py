@@ -143,7 +143,7 @@ def test_cli_trf_json():
 
 
 def test_cli_trf_user_callable_file(tmp_path):
-    """S16 spec string: a b(k) function in a file goes through the numeric test only."""
+    """User-callable spec string: a b(k) function in a file goes through the numeric test only."""
     f = tmp_path / "mybias.py"
     f.write_text("def b(k):\n    return 0.9 ** k\n")
     res = CliRunner().invoke(app, ["trf", f"b:{f}:b", "--eps", "0.01", "--heads", "1", "--n", str(N), "--json"])

@@ -1,4 +1,4 @@
-"""Fast attention paths (SPEC §6 "Fast", §7): exactness against independent references, the fused
+"""Fast attention paths (docs/attention.md): exactness against independent references, the fused
 CPU kernel actually running, O(H·L) long-context memory, and KV-cache decoding."""
 import math
 

@@ -1,4 +1,4 @@
-"""Crash safety (SPEC §6): SIGKILL a training process, or a sweep, at seeded random points.
+"""Crash safety (docs/reliability.md): SIGKILL a training process, or a sweep, at seeded random points.
 
 Training: every kill leaves readable checkpoints; each relaunch continues from the last one (it
 never restarts from scratch); after the last relaunch the weights and every logged loss, lr and

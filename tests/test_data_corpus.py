@@ -23,7 +23,7 @@ def test_split_matches_definition_and_is_disjoint():
     paths = [f"pkg{i % 7}/mod_{i}.py" for i in range(3000)]
     seen = {}
     for p in paths:
-        bucket = int(hashlib.sha256(p.encode()).hexdigest()[:8], 16) % 100  # SPEC §7 definition
+        bucket = int(hashlib.sha256(p.encode()).hexdigest()[:8], 16) % 100  # the split rule of docs/architecture.md
         want = "test" if bucket < 5 else "valid" if bucket < 15 else "train"
         assert C.split_of(p, 10, 5) == want
         seen[p] = want

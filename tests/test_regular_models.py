@@ -29,7 +29,7 @@ def test_num_levels_is_ceil_log_C():
 
 @pytest.mark.parametrize("C", [2, 3])
 def test_chunked_forward_equals_dense_eq_6_1(C):
-    """pad='once': the O(T·C) chunked path == the dense S15-masked path through attend, any T."""
+    """pad='once': the O(T·C) chunked path == the dense eq. 6.1-masked path through attend, any T."""
     m = _model(C=C, pad="once")
     for T in (1, 2, 5, 9, 17, 28):
         idx = torch.randint(0, 3, (3, T))

@@ -1,4 +1,4 @@
-"""The contract every registered positional scheme keeps (SPEC §1), run over ``names()``.
+"""The contract every registered positional scheme keeps (docs/architecture.md), run over ``names()``.
 
 A scheme is exempted from a check only through an attribute that says why: ``has_bias`` (no
 additive bias), ``relative`` (Toeplitz), ``layer_dependent`` (checked per layer),

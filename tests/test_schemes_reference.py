@@ -18,7 +18,7 @@ from extrapolab.positional.kerple import EPS, _Kerple
 from extrapolab.positional.registry import REGISTRY
 
 
-# ---- S6 ALiBi ----------------------------------------------------------------------------------
+# ---- ALiBi ----------------------------------------------------------------------------------
 # Transcribed from github.com/ofirpress/attention_with_linear_biases,
 # fairseq/models/transformer.py (TransformerDecoder.__init__, commit 3b7c2ec), comments dropped.
 def get_slopes(n):
@@ -57,7 +57,7 @@ def test_alibi_shift_and_equal_exponent():
     assert eq.bias(torch.arange(5), torch.arange(5))[:, 4, 0].tolist() == [-0.5] * 8
 
 
-# ---- S5 T5 buckets vs Hugging Face transformers ------------------------------------------------
+# ---- T5 buckets vs Hugging Face transformers ------------------------------------------------
 @pytest.mark.parametrize("buckets,max_distance", [(32, 128), (16, 64), (64, 256), (8, 20)])
 def test_t5_buckets_equal_huggingface(buckets, max_distance):
     from transformers.models.t5.modeling_t5 import T5Attention
@@ -82,7 +82,7 @@ def test_t5_buckets_equal_huggingface(buckets, max_distance):
     assert torch.isinf(ours[:, ~lower]).all()
 
 
-# ---- S11 Sandwich vs the paper's appendix E ----------------------------------------------------
+# ---- Sandwich vs the paper's appendix E ----------------------------------------------------
 def appendix_e(heads, seq_len):
     # Sandwich paper appendix E, verbatim except `heads`/`seq_len` are arguments and the last
     # line: as printed, `sandwich[None, ...] / compression_ratio[None, None]` divides
@@ -130,7 +130,7 @@ def test_sandwich_eq6_convention_and_options():
             P.build("sandwich", 3, **bad)
 
 
-# ---- S12 smoothed Sandwich ---------------------------------------------------------------------
+# ---- smoothed Sandwich ---------------------------------------------------------------------
 def test_smoothed_sandwich_reproduces_paper_fit():
     s = P.build("smoothed-sandwich", 8)  # head 8: c = 8·8/8 = 8, d̄ = 128, m = 8192
     a, b = s.fit_coefficients()[-1]
@@ -157,7 +157,7 @@ def test_smoothed_sandwich_footnote7_window_is_not_the_papers_curve():
         P.build("smoothed-sandwich", 8, fit_window=1)
 
 
-# ---- S8-S10 KERPLE: constraints survive AdamW with huge gradients -------------------------------
+# ---- KERPLE: constraints survive AdamW with huge gradients -------------------------------
 KERPLE = sorted(n for n, c in REGISTRY.items() if issubclass(c, _Kerple))
 
 
@@ -231,7 +231,7 @@ def test_weight_kernel_multiplies_scaled_logits():
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, atol=1e-6, rtol=1e-5)
 
 
-# ---- S13/S14 Qin et al. 2024 -------------------------------------------------------------------
+# ---- Qin et al. 2024 -------------------------------------------------------------------
 QIN = {
     "qin-type1": lambda k: 1.0 / (k + 1) ** 2,
     "qin-type2": lambda k: np.exp(-np.log(k + 1) ** 2),
@@ -266,7 +266,7 @@ def test_qin_series_attributes_match_partial_sums():
     assert e2.b(k).sum().item() > math.log(math.log(n + 2)) - math.log(math.log(3))
 
 
-# ---- S16 user-defined callables ----------------------------------------------------------------
+# ---- user-defined callables ----------------------------------------------------------------
 @pytest.fixture
 def cleanup_registry():
     before = set(REGISTRY)

@@ -1,4 +1,4 @@
-"""S15 sliding-dilated bias (thesis eq. 6.1) against a brute-force loop, and its options."""
+"""Sliding-dilated bias (thesis eq. 6.1) against a brute-force loop, and its options."""
 import math
 
 import pytest
