@@ -15,6 +15,11 @@ and no FFN, h is an odd function of the input, so E[w·h] = 0 at every m). Norma
 accumulated over batches in float64; the fit minimises ||Phi w - m||^2 + ridge·N·||w'||^2 (w'
 excludes the intercept; N = fitted rows). Predictions are rounded and clipped to [0, L-1] before
 the MAE, like the classifier's argmax. Held-out sequences (fresh random inputs) are evaluated.
+
+Measured at the thesis' size (docs/results/nope-probe.md): this probe stays at the midpoint
+baseline at every depth; the FFN output swamps the attention output after layer 1 and the
+position is left in second-order structure that the thesis' MLP, trained on 160k sequences, can
+learn and a linear fit on 16 sequences cannot.
 """
 from __future__ import annotations
 
