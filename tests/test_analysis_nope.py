@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from extrapolab.analysis import (model_variance, plot_probe, plot_variance, position_probe, random_tlm,
-                                 sigma_sweep, simulate_variance)
+from extrapolab.analysis import (LinearProbe, model_variance, plot_probe, plot_variance, position_probe,
+                                 probe_features, random_tlm, sigma_sweep, simulate_variance)
+from extrapolab.analysis.nope_probe import hidden_states
+from extrapolab.model.attention import AttnOptions
 from extrapolab.model.gpt import GPT, ModelConfig
 
 
@@ -51,14 +53,71 @@ def test_trained_model_pass_shapes_and_cumulative_attention():
     assert np.all(np.diff(cum, axis=1) >= -1e-9)
 
 
-def test_position_probe_beats_the_midpoint_baseline(tmp_path):
-    """Fig. 2.2 in miniature (L = 16, 300 steps at lr 1e-2 instead of 5000 at 1e-3): the frozen random
-    NoPE model's hidden states reveal position; the earliest positions (largest variance gap) are
-    nearly exact, and the deeper layer probes better."""
-    r = position_probe(dim=64, heads=4, length=16, layers=2, sigma=0.02, steps=300, batch=32, lr=1e-2,
-                       eval_samples=64)
-    mae = r["mae_per_layer"]
-    assert mae.shape == (2,) and r["baseline_mae"] == 4
-    assert mae[1] < 0.9 * r["baseline_mae"] and mae[1] < mae[0]
-    assert r["mae_per_position"][1][0] < 0.5
-    assert len(plot_probe(r, tmp_path / "p")) == 2
+def _small_states(n_seq=6, seed=0):
+    """ln_f hidden states of a small frozen random NoPE model: one [n_seq, L, d] tensor per layer."""
+    m = random_tlm(dim=32, heads=2, layers=2, sigma=0.02, length=16, seed=seed)
+    x = torch.randn(n_seq, 16, 32, generator=torch.Generator().manual_seed(seed + 5)) * 0.02
+    return hidden_states(m, x, AttnOptions(impl="sdpa"))
+
+
+@pytest.mark.parametrize("ridge", [0.0, 0.05])
+def test_linear_probe_equals_numpy_lstsq(ridge):
+    """The streamed normal-equation fit (3 chunks) is the least-squares solution of the stacked
+    system; with ridge, of the system augmented by sqrt(ridge·N)·I rows (intercept unpenalised)."""
+    h = _small_states()[1]  # [6, 16, 32]
+    y = torch.arange(16, dtype=torch.float64).repeat(6)
+    probe = LinearProbe(2 * 32 + 1)
+    for chunk in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        probe.add(probe_features(h[chunk]), torch.arange(16.0).repeat(chunk.stop - chunk.start))
+    w = probe.solve(ridge).numpy()
+    phi = probe_features(h).numpy()  # [96, 65]
+    assert phi.shape == (96, 65)
+    if ridge:
+        pen = np.sqrt(ridge * phi.shape[0]) * np.eye(phi.shape[1])[:-1]  # no row for the intercept
+        ref = np.linalg.lstsq(np.vstack([phi, pen]), np.concatenate([y.numpy(), np.zeros(64)]), rcond=None)[0]
+        np.testing.assert_allclose(w, ref, rtol=1e-6, atol=1e-8)
+    else:  # sum_j h_j = 0 and sum_j h_j^2 = d after LN (up to float32 rounding, singular values ~1e-8
+        # of the largest): w is not unique, the fitted values are once those directions are cut
+        ref = np.linalg.lstsq(phi, y.numpy(), rcond=1e-6)[0]
+        np.testing.assert_allclose(phi @ w, phi @ ref, atol=1e-6)
+        assert np.abs(phi @ w - y.numpy()).mean() < np.abs(y.numpy() - y.numpy().mean()).mean()
+
+
+def test_probe_features_and_basis():
+    h = torch.randn(3, 5, 8)
+    f = probe_features(h)
+    assert f.shape == (15, 17) and f.dtype == torch.float64
+    np.testing.assert_allclose(f[:, 8:16], (h.reshape(15, 8) ** 2).double())
+    assert torch.all(f[:, -1] == 1)
+
+
+def test_position_probe_result_and_figure(tmp_path):
+    """Fig. 2.2's pipeline in miniature: MAE per layer and position on held-out sequences, the
+    midpoint baseline L/4, reproducible from the seed, and one figure with the probe beside the
+    layer-0 variance curve of Lemma 2.3."""
+    kw = dict(dim=32, heads=2, length=16, layers=2, sigma=0.02, train_samples=12, eval_samples=4, batch=4)
+    r = position_probe(**kw)
+    mae = np.asarray(r["mae_per_position"])
+    assert mae.shape == (2, 16) and r["baseline_mae"] == 4
+    assert np.all((mae >= 0) & (mae <= 15)) and np.allclose(r["mae_per_layer"], mae.mean(1))
+    np.testing.assert_array_equal(position_probe(**kw)["mae_per_position"], mae)
+    v = simulate_variance(dim=32, heads=2, length=16, samples=4)
+    files = plot_probe(r, tmp_path / "p", variance=v)
+    assert len(files) == 2 and (tmp_path / "p.svg").read_text().count("Lemma 2.3") >= 1
+
+
+def test_cli_nope_variance_with_probe(tmp_path):
+    """`analyze nope-variance --probe` at a small size: the variance fit, the probe and one figure."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from extrapolab.cli.analyze import app
+
+    res = CliRunner().invoke(app, ["nope-variance", "--dim", "32", "--heads", "2", "--length", "16", "--samples", "4",
+                                   "--no-sweep", "--probe", "--probe-layers", "2", "--probe-samples", "4",
+                                   "--probe-eval", "2", "--out", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert len(out["probe"]["mae_per_layer"]) == 2 and out["probe"]["baseline_mae"] == 4
+    assert (tmp_path / "nope_position_probe.png").stat().st_size > 1000

@@ -10,10 +10,7 @@ over the d entries of o_m and averaged over samples ("averaged over 500 samples"
 Lemma 2.3: Var(o_m) ~= d^2 sigma^4 / m (Property 2.1: sigma^4 << H/d^2 -> near-uniform
 attention), so log Var vs log m has slope -1 at layer 0 (Fig. 2.4); Fig. 2.5 varies sigma.
 
-Fig. 2.2 (§2.8.1): a trainable two-layer classifier (Linear -> ReLU -> Linear over the L
-positions; Adam lr 1e-3, batch 32) probes each token's position from the frozen model's hidden
-state after l layers (followed by the final LN, which precedes the classifier in Fig. 2.1);
-MAE of the argmax position per position, for each l. Predicting the midpoint gives MAE L/4.
+Fig. 2.2 (§2.8.1), the position probe on the same frozen model: ``nope_probe.py``.
 
 Figs. 2.6-2.7 (§2.5): the same variance and the cumulative attention of the last query
 measured on a trained NoPE checkpoint with real text.
@@ -22,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from scipy import stats
 from torch import nn
 
@@ -66,10 +62,28 @@ def _fit(positions: np.ndarray, var: np.ndarray) -> dict:
     return {"slope": float(r.slope), "intercept": float(r.intercept), "r": float(r.rvalue)}
 
 
+class _LastOutputSeen(Exception):
+    """Raised by a hook once the last block's attention output is recorded (nothing after it is used)."""
+
+
+def _stop(_module, _inputs, _output):
+    raise _LastOutputSeen
+
+
 def _variance_pass(model, idx, inputs_embeds, opts) -> torch.Tensor:
-    """Per layer, sum over the batch of Var_d(o_m): [layers, L] (float64)."""
+    """Per layer, sum over the batch of Var_d(o_m): [layers, L] (float64).
+
+    The pass stops at the last block's W_o: its FFN, the final LN and the LM head (for the 1-layer
+    simulation over half of the work) cannot change what is measured.
+    """
     with torch.no_grad(), recording(model, "proj") as store:
-        model(idx, inputs_embeds=inputs_embeds, opts=opts)
+        hook = model.blocks[-1].proj.register_forward_hook(_stop)  # registered after the recorder
+        try:
+            model(idx, inputs_embeds=inputs_embeds, opts=opts)
+        except _LastOutputSeen:
+            pass
+        finally:
+            hook.remove()
     return torch.stack([o.double().var(dim=-1, unbiased=False).sum(0) for o in store]).cpu()  # [R, L]
 
 
@@ -135,64 +149,6 @@ def model_variance(model, segments, *, opts: AttnOptions | None = None, batch: i
             "cumulative_attention": cum}
 
 
-def position_probe(dim: int = 768, heads: int = 12, length: int = 512, sigma: float = 0.02, layers: int = 12,
-                   steps: int = 5000, batch: int = 32, lr: float = 1e-3, hidden: int | None = None,
-                   eval_samples: int = 64, seed: int = 0, device="cpu") -> dict:
-    """Fig. 2.2: MAE of a 2-layer ReLU classifier probing position from each layer's hidden state."""
-    model = random_tlm(dim, heads, layers, sigma, length, seed).to(device)
-    gen = torch.Generator().manual_seed(seed + 2)
-    hidden = hidden or dim
-    torch.manual_seed(seed + 3)
-    probes = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, length))
-                           for _ in range(layers)).to(device)
-    optim = torch.optim.Adam(probes.parameters(), lr=lr)
-    target = torch.arange(length, device=device)
-    opts = AttnOptions(impl="sdpa")
-
-    def features(b: int) -> list[torch.Tensor]:
-        x = (torch.randn(b, length, dim, generator=gen) * sigma).to(device)  # drawn on the CPU: same on any device
-        with torch.no_grad(), _block_outputs(model) as outs:
-            model(torch.zeros(b, length, dtype=torch.long, device=device), inputs_embeds=x, opts=opts)
-            return [model.ln_f(h) for h in outs]  # [B, L, d] per layer
-
-    for _ in range(int(steps)):
-        feats = features(batch)
-        loss = sum(F.cross_entropy(pr(f).reshape(-1, length), target.repeat(f.shape[0]))
-                   for pr, f in zip(probes, feats))
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-    err = np.zeros((layers, length))
-    with torch.no_grad():
-        done = 0
-        while done < eval_samples:
-            b = min(batch, eval_samples - done)
-            for layer, f in enumerate(features(b)):
-                pred = probes[layer](f).argmax(-1)  # [B, L]
-                err[layer] += (pred - target).abs().double().sum(0).cpu().numpy()
-            done += b
-    mae = err / eval_samples
-    return {"dim": dim, "heads": heads, "length": length, "sigma": sigma, "steps": steps, "batch": batch,
-            "mae_per_position": mae, "mae_per_layer": mae.mean(1), "baseline_mae": length / 4}
-
-
-class _block_outputs:
-    """Collect every block's output hidden state x (the first element of its (x, probs) output)."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def __enter__(self) -> list:
-        self.outs: list = []
-        self.hooks = [b.register_forward_hook(lambda _m, _i, out: self.outs.append(out[0].detach()))
-                      for b in self.model.blocks]
-        return self.outs
-
-    def __exit__(self, *exc) -> None:
-        for h in self.hooks:
-            h.remove()
-
-
 # ---- figures ---------------------------------------------------------------------------------
 def plot_variance(results: dict, path_stem, *, layer: int | None = None, theory: bool = True,
                   title: str = "Variance of the attention output vs position") -> list[str]:
@@ -223,19 +179,5 @@ def plot_cumulative_attention(res: dict, path_stem) -> list[str]:
     ax.plot(m, m / m[-1], ls="--", color="gray", lw=1, label="uniform")
     ax.set_xlabel("key position")
     ax.set_ylabel("cumulative attention of the last query")
-    ax.legend(fontsize=6)
-    return save_figure(fig, path_stem)
-
-
-def plot_probe(res: dict, path_stem) -> list[str]:
-    """Fig. 2.2: probe MAE per position for each number of layers, with the midpoint baseline."""
-    fig, ax = new_figure()
-    mae = np.asarray(res["mae_per_position"])
-    for li in range(mae.shape[0]):
-        ax.plot(np.arange(mae.shape[1]), mae[li], lw=1, label=f"{li + 1} layer(s): MAE {mae[li].mean():.1f}")
-    ax.axhline(res["baseline_mae"], color="gray", ls="--", lw=1, label="predict the midpoint")
-    ax.set_xlabel("position")
-    ax.set_ylabel("MAE")
-    ax.set_title("Position probe on a frozen random NoPE model")
     ax.legend(fontsize=6)
     return save_figure(fig, path_stem)

@@ -56,6 +56,7 @@ def build_scheme(cfg: ModelConfig) -> PositionalScheme:
     if cfg.scheme == "learned":
         params.setdefault("max_length", cfg.train_length)
         params.setdefault("dim", cfg.dim)
+        params.setdefault("std", cfg.init_std if cfg.embed_scale else cfg.dim ** -0.5)  # as the tokens
     if cfg.scheme == "sinusoidal":  # same rms as the token embeddings and a learned APE at init
         params.setdefault("scale", math.sqrt(2) * cfg.init_std if cfg.embed_scale else 1.0)
     return positional.build(cfg.scheme, num_heads=cfg.heads, **params)
