@@ -23,7 +23,10 @@ from ..io import atomic_write_text
 from ..positional.rotary_yarn import yarn_attention_factor
 from ..report.html import img_tag, md_table_to_html, page
 from ..report.plots import plot_ppl_vs_length
-from .rope_study import LABELS
+
+LABELS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
+          "yarn": "YaRN", "yarn-ramp": "YaRN ramp, no temperature", "pmax": "τ: Alg. 1 P_max",
+          "entropy": "τ: Alg. 1 H", "length": "τ: log_L L_tr"}
 
 
 def _csv(header: list[str], rows: list[list]) -> str:

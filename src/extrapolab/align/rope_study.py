@@ -36,14 +36,13 @@ import torch
 from .. import config as C
 from .. import positional
 from ..analysis.erf import measure_erf
-from ..data import prepare
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
-from ..train import load_model, train
 from .algorithm import align, save_temperature
-from .experiment import AlignSpec, _check_mixture, _sayer, _Stages, rule_taus, training_mixture
+from .experiment import _sayer, _Stages, rule_taus, train_on_mixture
 from .retrieval import make_examples, score
+from .rope_report import LABELS, write_rope_report
 
 #: method -> (scheme, uses the factor s = L/L_tr, temperature rule or None)
 METHODS = {
@@ -57,9 +56,6 @@ METHODS = {
     "entropy": ("rotary", False, "entropy"),
     "length": ("rotary", False, "length"),
 }
-LABELS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
-          "yarn": "YaRN", "yarn-ramp": "YaRN ramp, no temperature", "pmax": "τ: Alg. 1 P_max",
-          "entropy": "τ: Alg. 1 H", "length": "τ: log_L L_tr"}
 
 
 @dataclass
@@ -157,29 +153,13 @@ def evaluate_method(model, method: str, L_tr: int, lengths: list[int], taus: dic
 def run_rope_study(preset: str, out: Path | None = None, overrides: list[str] | None = None,
                    progress: bool = True) -> dict:
     """Train, align, evaluate every method, write the report; returns {"report", "wall_s", "out", "results"}."""
-    from .rope_report import write_rope_report
-
     t0 = time.time()
     cfg, spec = load_rope_preset(preset, overrides)
     out = Path(out) if out else Path(cfg.out_dir) / cfg.name
-    out.mkdir(parents=True, exist_ok=True)
     say = _sayer(progress)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    data = prepare(cfg.data, progress=progress)
-    mix_spec = AlignSpec(task_mix=spec.task_mix, task_ratio=spec.task_ratio, corpus_tokens=spec.corpus_tokens)
-    mix, sizes = training_mixture(data, cfg, mix_spec)
-    run_dir = out / "run"
-    _check_mixture(run_dir, sizes)
-    C.save(cfg, out / "config.yaml")
-    atomic_write_json(out / "rope-spec.json", dataclasses.asdict(spec))
     L_tr = cfg.model.train_length
-    say(f"training rotary at L_tr={L_tr} on {sizes} -> {run_dir}")
-    t = time.time()
-    summary = train(cfg, run_dir, data=mix, progress=progress)
-    train_wall = time.time() - t
-    model, _ = load_model(run_dir, which="best")
-    model.eval()
+    data, sizes, run_dir, summary, train_wall, model = train_on_mixture(cfg, spec, out, "rope-spec.json", say,
+                                                                        progress)
     tokens = data.split(cfg.eval.split)
     stages = _Stages(out, {k: summary.get(k) for k in ("steps", "best_step", "best_valid_loss", "params")}, say)
     a_set = {"lengths": spec.lengths, "segments": spec.segments, "propagate": spec.propagate, "seed": cfg.train.seed}
