@@ -115,7 +115,8 @@ class Rotary(PositionalScheme):
             raise SchemeError(f"rotary needs an even head dimension, got {d}; change model.dim or heads")
         C, S = self.cos_sin(pos, d, x.dtype, length)  # [L, d]
         swapped = x.unflatten(-1, (d // 2, 2)).flip(-1).flatten(-2)  # [..., L, d/2, 2] -> [..., L, d]
-        return torch.addcmul(x * C, swapped, S)  # [..., L, d]
+        out = x * C  # [..., L, d]; mul saves x and C, not its output, so adding in place is safe
+        return out.addcmul_(swapped, S)
 
     def rotate(self, q, k, q_pos, k_pos):
         length = self._length(q_pos, k_pos)
