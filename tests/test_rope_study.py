@@ -86,3 +86,12 @@ def test_method_setup_and_bad_presets():
         load_rope_preset("rope-smoke", ["rope.methods=[rope,xpos]"])
     with pytest.raises(UserError, match="must all exceed"):
         load_rope_preset("rope-smoke", ["rope.lengths=[64]"])
+
+
+@pytest.mark.parametrize("preset", ["rope-quick", "rope-smoke"])
+def test_presets_load_with_lengths_beyond_l_tr(preset):
+    cfg, spec = load_rope_preset(preset)
+    L_tr = cfg.model.train_length
+    assert cfg.model.scheme == "rotary" and min(spec.lengths) > L_tr
+    if preset == "rope-quick":  # the study compares 2-16x L_tr
+        assert [L // L_tr for L in spec.lengths] == [2, 4, 8, 16] and cfg.train.threads == 1
