@@ -223,15 +223,12 @@ def _with_task_rules(taus: dict, task_tau: dict, train_length: int) -> dict:
     return out
 
 
-def run_align_experiment(preset: str, out: Path | None = None, overrides: list[str] | None = None,
-                         progress: bool = True) -> dict:
-    """Train, align, measure and write the report; returns {"report", "wall_s", "out", "results"}."""
-
-    t0 = time.time()
-    cfg, spec = load_align_preset(preset, overrides)
-    out = Path(out) if out else Path(cfg.out_dir) / cfg.name
+def train_on_mixture(cfg: C.RunConfig, spec, out: Path, spec_file: str, say, progress: bool = True):
+    """Prepare the corpus, train (resumably) on the corpus + retrieval mixture into ``out``/run and load
+    its best checkpoint; shared by `align experiment` and `align rope`. ``spec`` (a dataclass) needs
+    ``task_mix``, ``task_ratio``, ``corpus_tokens`` and is saved as ``out``/``spec_file``.
+    Returns (data, mixture sizes, run_dir, train summary, training wall s, model in eval mode, placement)."""
     out.mkdir(parents=True, exist_ok=True)
-    say = _sayer(progress)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     data = prepare(cfg.data, progress=progress)
@@ -239,14 +236,26 @@ def run_align_experiment(preset: str, out: Path | None = None, overrides: list[s
     run_dir = out / "run"
     _check_mixture(run_dir, sizes)
     C.save(cfg, out / "config.yaml")
-    atomic_write_json(out / "align-spec.json", dataclasses.asdict(spec))
+    atomic_write_json(out / spec_file, dataclasses.asdict(spec))
     say(f"training {cfg.model.scheme} at L_tr={cfg.model.train_length} on {sizes} -> {run_dir}")
     t = time.time()
     summary = train(cfg, run_dir, data=mix, progress=progress)
     train_wall = time.time() - t
     place = run_placement(cfg.train)  # measure where (and in the precision) the model trained
     model, _ = load_model(run_dir, which="best", device=place.device)
-    model.eval()
+    return data, sizes, run_dir, summary, train_wall, model.eval(), place
+
+
+def run_align_experiment(preset: str, out: Path | None = None, overrides: list[str] | None = None,
+                         progress: bool = True) -> dict:
+    """Train, align, measure and write the report; returns {"report", "wall_s", "out", "results"}."""
+
+    t0 = time.time()
+    cfg, spec = load_align_preset(preset, overrides)
+    out = Path(out) if out else Path(cfg.out_dir) / cfg.name
+    say = _sayer(progress)
+    data, sizes, run_dir, summary, train_wall, model, place = train_on_mixture(cfg, spec, out, "align-spec.json",
+                                                                               say, progress)
     L_tr = cfg.model.train_length
     tokens = data.split(cfg.eval.split)
     model_key = {k: summary.get(k) for k in ("steps", "best_step", "best_valid_loss", "params")}

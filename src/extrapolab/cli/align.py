@@ -7,6 +7,7 @@
     extrapolab align retrieval RUN --task passkey [--rules none,pmax,entropy,length]
     extrapolab align hf-t5 T5_DIR --text FILE --train-length 512 --lengths 1024,2048
     extrapolab align experiment [--preset align-quick] [--out reports/align]   train + align + measure + report
+    extrapolab align rope [--preset rope-quick] [--out reports/rope]   RoPE extensions vs temperature alignment
 """
 from __future__ import annotations
 
@@ -252,5 +253,20 @@ def experiment(
     from ..train.placement import placement_overrides
 
     res = run_align_experiment(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
+    typer.echo((res["out"] / "summary.md").read_text())
+    typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
+
+
+@app.command("rope")
+@friendly
+def rope(
+    preset: str = typer.Option("rope-quick", "--preset", "-p", help="rope-smoke (seconds) | rope-quick (CPU) | YAML file"),
+    out: Optional[Path] = typer.Option(None, "--out", help="report folder (default out_dir/name, e.g. reports/rope-quick)"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set rope.n=8 (repeatable)"),
+):
+    """One rotary run; RoPE vs PI / NTK / dynamic NTK / YaRN / temperature alignment at 2-16x L_tr -> report.html (resumable)."""
+    from ..align.rope_study import run_rope_study
+
+    res = run_rope_study(preset, out=out, overrides=set_)
     typer.echo((res["out"] / "summary.md").read_text())
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")

@@ -57,6 +57,8 @@ def build_scheme(cfg: ModelConfig) -> PositionalScheme:
         params.setdefault("max_length", cfg.train_length)
         params.setdefault("dim", cfg.dim)
         params.setdefault("std", cfg.init_std if cfg.embed_scale else cfg.dim ** -0.5)  # as the tokens
+    if "original_length" in positional.scheme_params(positional.REGISTRY.get(cfg.scheme, PositionalScheme)):
+        params.setdefault("original_length", cfg.train_length)  # RoPE extensions: L_tr is the trained length
     if cfg.scheme == "sinusoidal":  # same rms as the token embeddings and a learned APE at init
         params.setdefault("scale", math.sqrt(2) * cfg.init_std if cfg.embed_scale else 1.0)
     return positional.build(cfg.scheme, num_heads=cfg.heads, **params)

@@ -9,6 +9,10 @@ from . import none  # noqa: F401
 from . import sinusoidal  # noqa: F401
 from . import learned  # noqa: F401
 from . import rotary  # noqa: F401
+from . import rotary_pi  # noqa: F401  RoPE context extension: position interpolation
+from . import rotary_ntk  # noqa: F401  NTK-aware base
+from . import rotary_dynamic  # noqa: F401  dynamic NTK
+from . import rotary_yarn  # noqa: F401  YaRN
 from . import t5  # noqa: F401
 from . import alibi  # noqa: F401
 from . import windowed  # noqa: F401

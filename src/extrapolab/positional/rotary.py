@@ -1,14 +1,36 @@
-"""rotary (Su et al. 2021 RoFormer eq. 34; ALiBi §2.2).
+"""rotary (Su et al. 2021 RoFormer eq. 34; ALiBi §2.2) and the machinery its extensions share.
 
-Rotate each pair (2i, 2i+1) of q and k by angle m·theta_i, theta_i = base^(-2i/d_head).
-cos/sin are cached per (length, device, dtype).
+Rotate each pair (2i, 2i+1) of q and k by angle m·theta_i, theta_i = base^(-2i/d_head):
+
+    out[2i]   = x[2i] cos(m theta_i) - x[2i+1] sin(m theta_i)
+    out[2i+1] = x[2i] sin(m theta_i) + x[2i+1] cos(m theta_i)
+
+written as ``x * C + swap(x) * S`` with C = [cos, cos] and S = [-sin, +sin] interleaved per pair and
+swap(x) exchanging the two members of each pair: one copy (the swap) and two fused multiplies, no
+complex numbers, no half-size strided slices. C and S are cached per (d_head, device, dtype, scale
+key), built in float64 then cast (long positions keep their precision), grown by doubling and
+dropped on ``.to()``; one forward gathers its rows once and reuses them for q, k and every layer.
+
+The RoPE context-extension family (:mod:`.rope_pi`, :mod:`.rope_ntk`, :mod:`.rope_dynamic_ntk`,
+:mod:`.rope_yarn`) subclasses :class:`Rotary` and overrides only ``inv_freq`` (the frequencies
+theta_i, possibly as a function of the current length) and ``attention_factor`` (a factor on
+both q and k, so on the logits squared; YaRN's temperature). Positions are never rewritten:
+position interpolation m -> m/s is the same angle as theta_i -> theta_i/s.
 """
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 
 from .base import PositionalScheme, SchemeError
 from .registry import register
+
+
+def default_inv_freq(base: float, d_head: int) -> torch.Tensor:
+    """theta_i = base^(-2i/d_head), i = 0..d_head/2-1, float64 [d_head/2] (RoFormer eq. 15)."""
+    i = torch.arange(0, d_head, 2, dtype=torch.float64)
+    return base ** (-i / d_head)  # [d_head/2]
 
 
 @register
@@ -17,42 +39,112 @@ class Rotary(PositionalScheme):
     kind = "rotary"
     paper = "Su et al. 2021 (RoFormer) eq. 34"
     summary = "rotate q,k pairs by m·theta_i, theta_i = 10000^(-2i/d_head)"
+    #: theta_i depends on the current sequence length (dynamic NTK): the cache is keyed on it too
+    length_dependent: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, base: float = 10000.0) -> None:
         super().__init__(num_heads)
-        if base <= 1:
+        if not base > 1:
             raise SchemeError(f"rotary base must be > 1, got {base}")
         self.base = float(base)
         self._cs: dict = {}
+        self._rows: tuple | None = None  # (positions, key, cos, sin) of the last gather
 
-    def cos_sin(self, positions: torch.Tensor, d_head: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # ---- the overridable steps ---------------------------------------------------------
+    def inv_freq(self, d_head: int, length: int) -> torch.Tensor:
+        """theta_i as float64 [d_head/2]; ``length`` = max position + 1 of the current call."""
+        return default_inv_freq(self.base, d_head)
+
+    def attention_factor(self, length: int) -> float:
+        """Factor on q and k after rotation (the logits get its square); 1 for plain RoPE."""
+        return 1.0
+
+    def scale_key(self, length: int):
+        """What besides (d_head, device, dtype) the tables depend on; None when only on those."""
+        return None
+
+    # ---- tables ------------------------------------------------------------------------
+    def tables(self, n: int, d_head: int, device, dtype, length: int | None = None):
+        """(C, S) [>= n, d_head]: C = f·cos(m theta_i), S = f·(-sin, +sin) per pair, m = 0, 1, ..."""
+        length = n if length is None else length
+        key = (d_head, torch.device(device), dtype, self.scale_key(length))
+        hit = self._cs.get(key)
+        if hit is not None and hit[0].is_inference() and not torch.is_inference_mode_enabled():
+            hit = None  # autograd may not save inference tensors (e.g. an ERF after an evaluation)
+        if hit is None or hit[0].shape[0] < n:
+            size = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
+            theta = self.inv_freq(d_head, length).to(device=device, dtype=torch.float64)  # [d/2]
+            ang = torch.arange(size, dtype=torch.float64, device=device)[:, None] * theta  # [size, d/2]
+            f = float(self.attention_factor(length))
+            cos, sin = torch.cos(ang) * f, torch.sin(ang) * f  # [size, d/2]
+            C = cos.repeat_interleave(2, dim=-1)  # [size, d]: (cos, cos) per pair
+            S = torch.stack((-sin, sin), dim=-1).flatten(-2)  # [size, d/2, 2] -> [size, d]
+            if self.length_dependent:  # one scale at a time: lengths vary call to call
+                self._cs = {k: v for k, v in self._cs.items() if k[3] == key[3]}
+            hit = (C.to(dtype).contiguous(), S.to(dtype).contiguous())
+            self._cs[key] = hit
+        return hit
+
+    def cos_sin(self, positions: torch.Tensor, d_head: int, dtype, length: int | None = None):
+        """Rows of (C, S) for ``positions`` [L] -> ([L, d_head], [L, d_head])."""
+        memo = self._rows
+        key = (d_head, dtype, length, torch.is_inference_mode_enabled())
+        version = None if positions.is_inference() else positions._version  # inference tensors have none
+        if memo is not None and memo[0] is positions and memo[1] == key and version is not None \
+                and memo[2] == version:
+            return memo[3], memo[4]  # the same positions tensor again (k after q, the next layer)
         n = int(positions.max()) + 1 if positions.numel() else 1
-        key = (d_head, positions.device, dtype)
-        cached = self._cs.get(key)
-        if cached is None or cached[0].shape[0] < n:
-            size = max(n, 2 * (cached[0].shape[0] if cached else 0), 256)
-            i = torch.arange(0, d_head, 2, dtype=torch.float64, device=positions.device)
-            theta = self.base ** (-i / d_head)  # [d_head/2]
-            ang = torch.arange(size, dtype=torch.float64, device=positions.device)[:, None] * theta
-            cached = (torch.cos(ang).to(dtype), torch.sin(ang).to(dtype))  # [size, d_head/2] each
-            self._cs[key] = cached
-        return cached[0][positions], cached[1][positions]  # [L, d_head/2]
+        C, S = self.tables(n, d_head, positions.device, dtype, length)
+        L, p0 = positions.numel(), int(positions[0]) if positions.numel() else 0
+        if L and n - p0 == L and (L == 1 or bool((positions[1:] > positions[:-1]).all())):
+            c, s = C[p0:n], S[p0:n]  # p0..p0+L-1 in order (increasing integers): a view, no gather
+        else:
+            c, s = C[positions], S[positions]  # [L, d_head]
+        self._rows = (positions, key, version, c, s)
+        return c, s
 
-    def _rot(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _length(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int | None:
+        if not self.length_dependent:
+            return None
+        return max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0) + 1
+
+    # ---- the hook ----------------------------------------------------------------------
+    def _rot(self, x: torch.Tensor, pos: torch.Tensor, length: int | None) -> torch.Tensor:
         d = x.shape[-1]
         if d % 2:
             raise SchemeError(f"rotary needs an even head dimension, got {d}; change model.dim or heads")
-        cos, sin = self.cos_sin(pos, d, x.dtype)  # [L, d/2]
-        x1, x2 = x[..., 0::2], x[..., 1::2]  # [..., L, d/2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # [..., L, d/2, 2]
-        return out.flatten(-2)  # [..., L, d]
+        C, S = self.cos_sin(pos, d, x.dtype, length)  # [L, d]
+        swapped = x.unflatten(-1, (d // 2, 2)).flip(-1).flatten(-2)  # [..., L, d/2, 2] -> [..., L, d]
+        out = x * C  # [..., L, d]; mul saves x and C, not its output, so adding in place is safe
+        return out.addcmul_(swapped, S)
 
     def rotate(self, q, k, q_pos, k_pos):
-        return self._rot(q, q_pos), self._rot(k, k_pos)
+        length = self._length(q_pos, k_pos)
+        return self._rot(q, q_pos, length), self._rot(k, k_pos, length)
 
     def options(self):
         return {"base": self.base}
 
     def _apply(self, fn, *a, **kw):
         self._cs.clear()
+        self._rows = None
         return super()._apply(fn, *a, **kw)
+
+
+def check_factor(name: str, factor: float) -> float:
+    """A context-extension factor s >= 1 (s = L_ex / L_tr), or a one-line SchemeError."""
+    try:
+        s = float(factor)
+    except (TypeError, ValueError):
+        s = float("nan")
+    if not s >= 1.0 or s == float("inf"):
+        raise SchemeError(f"{name} factor must be a finite number >= 1 (s = L_ex / L_tr), got {factor!r}; "
+                          f"pass --set model.scheme_params.factor=4")
+    return s
+
+
+def check_original_length(name: str, length: int) -> int:
+    if int(length) < 2:
+        raise SchemeError(f"{name} original_length (the training length L_tr) must be >= 2, got {length}; "
+                          "pass --set model.scheme_params.original_length=512")
+    return int(length)

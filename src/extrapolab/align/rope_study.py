@@ -1,0 +1,189 @@
+"""`extrapolab align rope`: the RoPE context-extension methods against temperature alignment, on ONE run.
+
+The bridge between the seeds' recency-bias view (thesis ch. 5: the attention of a model run past
+L_tr is too flat; sharpen it with a softmax temperature) and the RoPE methods most users run
+today. One command:
+
+1. train (resumably, the ordinary trainer) one rotary GPT at L_tr on the corpus's train split mixed
+   with passkey documents (the mixture of :mod:`.experiment`);
+2. Algorithm 1 (P_max, entropy) and the length rule on that run (``<out>/run/temperature.json``);
+3. for every method and every L in {L_tr} + ``rope.lengths`` (2-16x L_tr), on the same weights:
+   E1 nonoverlapping perplexity on the test split, passkey exact-match accuracy per needle depth,
+   and the ERF (Sandwich paper §5.1, :mod:`..analysis.erf`) of the last token at L;
+4. tables (md + csv), a ppl-vs-length figure, passkey and ERF figures and ``report.html``
+   (:mod:`.rope_report`), with YaRN's attention factor f next to the thesis' length rule and
+   Algorithm 1's tau (YaRN multiplies the logits by f^2: an equivalent tau = 1/f^2).
+
+Methods are applied at evaluation time by swapping the scheme (rotary has no parameters) and/or
+setting the softmax temperature. Static methods use s = L/L_tr at each L, the factor a user who
+wants length L would set. ``rope`` plain RoPE; ``pi`` position interpolation (Chen et al. 2023);
+``ntk`` NTK-aware base (bloc97 2023); ``dynamic`` dynamic NTK (s from the current length, the
+same scheme at every L); ``yarn`` YaRN (Peng et al. 2023) and ``yarn-ramp`` its frequencies
+without its temperature; ``pmax``, ``entropy`` Algorithm 1's tau; ``length`` tau = log L_tr / log L.
+Every stage is stored as JSON keyed by the trained model and its settings, so a run resumes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import config as C
+from .. import positional
+from ..analysis.erf import measure_erf
+from ..eval.perplexity import nonoverlapping
+from ..io import UserError, atomic_write_json
+from ..model.attention import AttnOptions
+from .algorithm import align, save_temperature
+from .experiment import _sayer, _Stages, rule_taus, train_on_mixture
+from .retrieval import make_examples, score
+from .rope_report import LABELS, write_rope_report
+
+#: method -> (scheme, uses the factor s = L/L_tr, temperature rule or None)
+METHODS = {
+    "rope": ("rotary", False, None),
+    "pi": ("rotary-pi", True, None),
+    "ntk": ("rotary-ntk", True, None),
+    "dynamic": ("rotary-dynamic", False, None),
+    "yarn": ("rotary-yarn", True, None),
+    "yarn-ramp": ("rotary-yarn", True, None),
+    "pmax": ("rotary", False, "pmax"),
+    "entropy": ("rotary", False, "entropy"),
+    "length": ("rotary", False, "length"),
+}
+
+
+@dataclass
+class RopeSpec:
+    lengths: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])  # L_ex (> L_tr)
+    methods: list[str] = field(default_factory=lambda: ["rope", "pi", "ntk", "dynamic", "yarn", "yarn-ramp",
+                                                        "pmax", "length"])
+    task_mix: str = "passkey"  # retrieval documents in the training mixture (see align.experiment)
+    task_ratio: float = 1.0
+    corpus_tokens: int = 0
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    n: int = 4  # passkey examples per (length, depth)
+    segments: int = 4  # Algorithm 1 sequences per length
+    propagate: bool = True
+    ppl_tokens: int = 16384  # tokens scored per (method, length); 0 = the whole test split
+    erf_segments: int = 2  # ERF sequences per (method, length); 0 = no ERF
+    seed: int = 1
+    batch_size: int = 8
+    budget: str = ""
+
+
+def load_rope_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, RopeSpec]:
+    raw = C.apply_overrides(C.load_preset(name_or_path), overrides or [])
+    spec = C.from_dict(RopeSpec, raw.pop("rope", None) or {}, "rope")
+    cfg = C.resolve(base=raw)
+    L_tr = cfg.model.train_length
+    if cfg.model.scheme != "rotary":
+        raise UserError(f"align rope studies a plain rotary run; set model.scheme=rotary (got {cfg.model.scheme!r})")
+    spec.lengths = sorted({int(L) for L in spec.lengths})
+    if not spec.lengths or min(spec.lengths) <= L_tr:
+        raise UserError(f"rope.lengths must all exceed model.train_length={L_tr}, got {spec.lengths}")
+    bad = [m for m in spec.methods if m not in METHODS]
+    if bad:
+        raise UserError(f"unknown rope.methods {bad}; choose from {', '.join(METHODS)}")
+    if spec.n < 1 or spec.segments < 1 or any(not 0 <= d <= 1 for d in spec.depths):
+        raise UserError("rope.n and rope.segments must be >= 1 and rope.depths in [0, 1]")
+    return cfg, spec
+
+
+def method_setup(method: str, train_length: int, length: int, heads: int, taus: dict):
+    """(scheme instance, softmax tau or None when the rule has no tau) for ``method`` at ``length``."""
+    name, scaled, rule = METHODS[method]
+    params: dict = {}
+    if scaled:
+        params["factor"] = max(1.0, length / train_length)
+    if name in ("rotary-dynamic", "rotary-yarn"):
+        params["original_length"] = train_length
+    if method == "yarn-ramp":
+        params["attention_factor"] = 1.0
+    tau = 1.0 if rule is None else taus.get(rule, {}).get(length)
+    return positional.build(name, heads, **params), tau
+
+
+@contextmanager
+def swapped(model, scheme):
+    """``model`` with ``scheme`` in place of its own (parameter-free rotary schemes only)."""
+    old = model.scheme
+    if any(True for _ in old.parameters()) or any(True for _ in scheme.parameters()):
+        raise UserError("scheme swapping is for parameter-free schemes (rotary and its extensions)")
+    model.scheme = scheme.to(next(model.parameters()).device)
+    try:
+        yield model
+    finally:
+        model.scheme = old
+
+
+def evaluate_method(model, method: str, L_tr: int, lengths: list[int], taus: dict, tokens, spec: RopeSpec,
+                    tokenizer, batch_size: int) -> dict:
+    """{str(L): {"tau", "factor", "ppl", "passkey": [records], "erf"}} for one method."""
+    out: dict = {}
+    for L in lengths:
+        scheme, tau = method_setup(method, L_tr, L, model.cfg.heads, taus)
+        cell: dict = {"tau": tau, "scheme": scheme.name, "options": scheme.options()}
+        if tau is None:
+            out[str(L)] = cell
+            continue
+        opts = dataclasses.replace(getattr(model, "attn_opts", None) or AttnOptions(), temperature=tau)
+        with swapped(model, scheme), torch.inference_mode():
+            cell["ppl"] = nonoverlapping(model, tokens, L, max_tokens=spec.ppl_tokens, batch_size=batch_size,
+                                         opts=opts)["ppl"]
+            ex = make_examples("passkey", [L], spec.depths, spec.n, spec.seed, tokenizer=tokenizer, preamble=False)
+            cell["passkey"] = [{k: r[k] for k in ("depth", "correct", "pred", "answer")}
+                               for r in score(model, ex, tau, spec.batch_size, method)]
+        if spec.erf_segments > 0:
+            rng = np.random.default_rng(spec.seed)
+            starts = rng.integers(0, len(tokens) - L - 1, size=spec.erf_segments)
+            segs = np.stack([np.asarray(tokens[s:s + L + 1]) for s in starts]).astype(np.int64)  # [N, L+1]
+            with swapped(model, scheme):
+                e = measure_erf(model, segs, opts=AttnOptions(impl="blocked", block_size=512, temperature=tau))
+            cell["erf_tokens"], cell["erf_c"] = e["erf_tokens"], [float(x) for x in e["c"]]
+        out[str(L)] = cell
+    return out
+
+
+def run_rope_study(preset: str, out: Path | None = None, overrides: list[str] | None = None,
+                   progress: bool = True) -> dict:
+    """Train, align, evaluate every method, write the report; returns {"report", "wall_s", "out", "results"}."""
+    t0 = time.time()
+    cfg, spec = load_rope_preset(preset, overrides)
+    out = Path(out) if out else Path(cfg.out_dir) / cfg.name
+    say = _sayer(progress)
+    L_tr = cfg.model.train_length
+    data, sizes, run_dir, summary, train_wall, model, place = train_on_mixture(cfg, spec, out, "rope-spec.json",
+                                                                               say, progress)
+    tokens = data.split(cfg.eval.split)
+    stages = _Stages(out, {k: summary.get(k) for k in ("steps", "best_step", "best_valid_loss", "params")}, say,
+                     place.autocast)
+    a_set = {"lengths": spec.lengths, "segments": spec.segments, "propagate": spec.propagate, "seed": cfg.train.seed}
+    res = stages.run("align", a_set, lambda: align(model, tokens, L_tr, spec.lengths, n_segments=spec.segments,
+                                                  propagate=spec.propagate, seed=cfg.train.seed, progress=say))
+    res.update(run=cfg.name, scheme=cfg.model.scheme, split=cfg.eval.split)
+    save_temperature(run_dir, res)
+    lengths = [L_tr, *spec.lengths]
+    taus = {r: {int(L): v for L, v in row.items()} for r, row in rule_taus(run_dir, ["pmax", "entropy", "length"],
+                                                                            lengths).items()}
+    methods = {}
+    for m in spec.methods:
+        say(f"{LABELS[m]}: perplexity, passkey, ERF at {lengths}")
+        m_set = {k: getattr(spec, k) for k in ("ppl_tokens", "depths", "n", "seed", "erf_segments")} | {
+            "lengths": lengths, "taus": {L: taus.get(METHODS[m][2] or "", {}).get(L) for L in lengths}}
+        methods[m] = stages.run(f"method-{m}", m_set, lambda m=m: evaluate_method(
+            model, m, L_tr, lengths, taus, tokens, spec, data, cfg.eval.batch_size))
+    wall = time.time() - t0
+    results = {"preset": str(preset), "budget": spec.budget, "spec": dataclasses.asdict(spec),
+               "config": cfg.to_dict(), "train": summary, "mixture": sizes, "align": res,
+               "taus": {r: {str(L): v for L, v in row.items()} for r, row in taus.items()}, "methods": methods,
+               "wall_s": wall, "train_wall_s": train_wall, "stage_seconds": stages.seconds}
+    atomic_write_json(out / "results.json", results)
+    report = write_rope_report(out, results)
+    say(f"report: {report} (wall time {wall:.0f} s)")
+    return {"report": report, "wall_s": wall, "out": out, "results": results}
