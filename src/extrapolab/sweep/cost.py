@@ -1,0 +1,45 @@
+"""The sweep report's cost section (E8): one bench pass after training, in this one process.
+
+Ratios across sweep runs would divide timings of different pool workers, taken under different
+load and in run order, so the sweep measures its schemes again with :func:`extrapolab.perf.bench`
+at the sweep's own model config (sizes, vocabulary, L_tr, batch), interleaved and paired per round
+against NoPE, and stores the result in results.sqlite (meta ``cost_bench``) for the report.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, replace
+
+import torch
+
+from .. import config as C
+from ..model.gpt import ModelConfig
+from ..perf.bench import as_specs, run_bench
+
+ROUNDS, WARMUP = 7, 1  # each round is one step per scheme: seconds at demo size
+
+
+def bench_settings(base: C.RunConfig, vocab_size: int, schemes) -> dict:
+    """What a stored bench pass must match to be reused on resume."""
+    model = replace(ModelConfig(**{k: v for k, v in asdict(base.model).items() if k in ModelConfig.__dataclass_fields__}),
+                    vocab_size=int(vocab_size))
+    specs = [(s.label, s.name, dict(s.params)) for s in schemes]
+    return {"model": asdict(model), "batch": base.train.batch_size, "L": base.model.train_length,
+            "schemes": specs, "rounds": ROUNDS}
+
+
+def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, say=lambda m: None) -> dict:
+    """Train step, eval forward and attention-only timings of every swept scheme vs NoPE."""
+    st = bench_settings(base, vocab_size, schemes)
+    model = ModelConfig(**st["model"])
+    threads = base.train.threads or os.cpu_count() or 1
+    before = torch.get_num_threads()
+    say(f"cost: one bench pass over {len(st['schemes'])} schemes + NoPE at L_tr = {st['L']}, batch {st['batch']}, "
+        f"{threads} threads, {ROUNDS} rounds (one process; ratios paired per round)")
+    try:
+        res = run_bench(as_specs([tuple(s) for s in st["schemes"]]), lengths_train=(st["L"],), model_cfg=model,
+                        repeats=ROUNDS, warmup=WARMUP, threads=threads, groups=("train",),
+                        batch=st["batch"], progress=False)
+    finally:
+        torch.set_num_threads(before)
+    return {"settings": st, "meta": res["meta"], "rows": res["train"][str(st["L"])]}
