@@ -80,3 +80,38 @@ def test_demo_records_erf_and_trf_and_reports_them(smoke):
     assert "| none | 128 |" in md and "no bias" in md
     assert "empirical receptive field" in (out / "report.html").read_text()
     assert (out / "figures" / "erf.png").is_file() and (out / "figures" / "erf.svg").is_file()
+
+
+def _e1_means(md: str) -> tuple[dict, int]:
+    """{label: {L: mean ppl}} and L_tr from the E1 table of a report.md (docs/results/demo-quick.md)."""
+    sec = md.split("## E1 nonoverlapping")[1].split("\n## ")[0]
+    Ltr = int(sec.split("L_tr = ")[1].split()[0])
+    rows = [line.strip("|").split("|") for line in sec.splitlines() if line.startswith("| ")]
+    labels = [c.strip() for c in rows[0][1:]]
+    means = {lb: {} for lb in labels}
+    for r in rows[1:]:
+        for lb, cell in zip(labels, r[1:]):
+            if cell.strip() not in ("—", ""):
+                means[lb][int(r[0])] = float(cell.split("±")[0].strip().rstrip("†*"))
+    return means, Ltr
+
+
+def test_published_demo_table_shows_the_papers_picture():
+    """docs/results/demo-quick.md (written by `make demo`) keeps the picture its preset was cut to keep."""
+    from pathlib import Path
+
+    from extrapolab.report.picture import picture_checks
+
+    md = (Path(__file__).parents[1] / "docs" / "results" / "demo-quick.md").read_text()
+    means, Ltr = _e1_means(md)
+    checks = picture_checks(means, Ltr)
+    assert {lb.split("(")[0] for lb, _, _ in checks} == {"sinusoidal", "learned", "alibi", "windowed", "t5",
+                                                         "kerple-log", "sandwich"}
+    assert all(ok for _, ok, _ in checks), [c for c in checks if not c[1]]
+
+
+def test_picture_check_fails_a_table_without_the_picture():
+    from extrapolab.report.picture import picture_checks
+
+    bad = {"sinusoidal": {64: 90.0, 1024: 92.0}, "alibi": {64: 75.0, 1024: 90.0}, "sandwich": {64: 75.0, 1024: 76.0}}
+    assert [ok for _, ok, _ in picture_checks(bad, 64)] == [False, False, False]

@@ -285,7 +285,8 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
               model_cfg: ModelConfig | None = None, repeats: int = ROUNDS, warmup: int = 2,
               gen_window: int = 256, out_json=None, *, quick: bool = False, batch_tokens: int = 4096,
               long_repeats: int = 3, gen_probes=(1, 2, 4, 8), gen_reps: int = 8, threads: int | None = None,
-              device: str = "cpu", groups=None, batch: int | None = None, progress: bool = True) -> dict:
+              device: str = "cpu", groups=None, batch: int | None = None, flush: bool = True,
+              progress: bool = True) -> dict:
     """Measure every scheme (default: all registered) in one process; write ``out_json`` if given."""
     if quick:
         lengths_train, long_lengths, gen_window = QUICK["lengths_train"], QUICK["long_lengths"], QUICK["gen_window"]
@@ -305,7 +306,7 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
     cfg = replace(cfg, train_length=max(cfg.train_length, *lengths_train, gen_end))
     if threads:
         torch.set_num_threads(int(threads))
-    if dev.type == "cpu":
+    if dev.type == "cpu" and flush:
         flush_denormals(True)  # every row but `denormals` runs as the CLI and the trainer do
     ctx = Context(specs, cfg, dev, int(repeats), int(warmup), _stderr if progress else (lambda m: None),
                   dict(lengths_train=tuple(lengths_train), long_lengths=tuple(long_lengths), batch_tokens=batch_tokens,
@@ -315,7 +316,7 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(dev),
         "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "pid": os.getpid(),
         "model": asdict(cfg), "repeats": ctx.rounds, "warmup": ctx.warmup, "long_repeats": max(3, long_repeats),
-        "batch_tokens": batch_tokens, "flush_denormals": dev.type == "cpu",
+        "batch_tokens": batch_tokens, "flush_denormals": dev.type == "cpu" and flush,
         "memory": "peak increase over the entry level (extrapolab.memory.PeakMemory), one untimed call",
         "baseline": f"{BASE} (bias-free SDPA is_causal)", "load_avg_start": os.getloadavg()}}
     for g in groups:

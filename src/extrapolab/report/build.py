@@ -20,6 +20,7 @@ from ..io import atomic_write_text
 from .db import ResultsDB
 from .html import img_tag, md_table_to_html, page
 from .analysis_section import erf_table, plot_erf_overlay
+from .picture import picture_markdown
 from .plots import plot_ppl_vs_length, plot_positionwise
 
 PROTOCOL_TITLES = {
@@ -138,6 +139,13 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
         sections.append((title, md_table_to_html(t["markdown"]) + img_tag(png, stem)
                          + f"<p>CSV: <code>{stem}.csv</code></p>"))
         md_parts.append(f"## {title}\n\n{t['markdown']}\n![]({png.relative_to(out)})\n")
+        if t["protocol"] == "nonoverlapping":
+            pic = picture_markdown({lb: {L: m["mean"] for L, m in byL.items() if m["mean"] is not None}
+                                    for lb, byL in t["means"].items()}, Ltr)
+            if pic:
+                atomic_write_text(out / f"picture_{t['dataset']}.md", pic)
+                sections.append((f"Does it show the papers' picture? — {t['dataset']}", md_table_to_html(pic)))
+                md_parts.append(f"## Does it show the papers' picture? — {t['dataset']}\n\n{pic}")
     pw = db.series("positionwise", "ppl")
     if pw:
         ref = db.series("positionwise", "windowed_ppl")

@@ -39,7 +39,7 @@ def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, say=lambda m: No
     try:
         res = run_bench(as_specs([tuple(s) for s in st["schemes"]]), lengths_train=(st["L"],), model_cfg=model,
                         repeats=ROUNDS, warmup=WARMUP, threads=threads, groups=("train",),
-                        batch=st["batch"], progress=False)
+                        batch=st["batch"], flush=base.train.flush_denormals, progress=False)
     finally:
         torch.set_num_threads(before)
     return {"settings": st, "meta": res["meta"], "rows": res["train"][str(st["L"])]}
