@@ -37,6 +37,27 @@ def test_demo_smoke_writes_the_report(smoke):
     assert vals and all(1.0 < v < 1e6 for v in vals)
 
 
+def test_cost_section_is_one_bench_pass_and_per_run_figures_have_no_ratios(smoke):
+    """E8 ratios come from one process at the sweep's own sizes; per-run wall clock is only listed."""
+    from extrapolab.report.db import ResultsDB
+    from extrapolab.perf.timing import paired_ratio
+
+    out = smoke[2]["out"]
+    db = ResultsDB(out / "results.sqlite")
+    bench = db.meta()["cost_bench"]
+    db.close()
+    rows = bench["rows"]
+    assert list(rows) == ["none", "alibi", "sinusoidal"]
+    assert len({(r["pid"], r["config"]) for r in rows.values()}) == 1  # one process, one size
+    assert '"L": 32' in rows["none"]["config"] and '"batch": 4' in rows["none"]["config"]  # the sweep's L_tr, batch
+    assert bench["settings"]["model"]["dim"] == 32 and bench["settings"]["L"] == 32
+    assert rows["alibi"]["step_s_ratio"] == paired_ratio(rows["alibi"], rows["none"], "step_s")
+    cost = (out / "cost.md").read_text()
+    bench_part, per_run = cost.split("Per-run wall clock")
+    assert "One bench pass" in bench_part and "| alibi |" in bench_part and "×NoPE" in bench_part
+    assert "×NoPE" not in per_run and "no ratio is taken" in per_run
+
+
 def test_demo_resume_skips_finished_runs_and_keeps_rows(smoke):
     tmp, over, res = smoke
     out = res["out"]

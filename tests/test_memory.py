@@ -38,3 +38,20 @@ def test_sampling_fallback_when_the_kernel_peak_cannot_be_reset(monkeypatch):
         x.add_(1)
         del x
     assert "sampled" in mem.method and 60 < mem.mib < 400  # not the process-lifetime peak
+
+
+def test_a_runs_peak_is_its_own_in_a_reused_process(tmp_path):
+    """A sweep worker trains run after run in one process: an earlier peak must not show as this run's."""
+    import resource
+
+    from test_train import markov_data, tiny_cfg
+
+    from extrapolab.train import train
+
+    x = torch.ones(150 * 2**20)  # a 600 MiB peak before the run, as an earlier run would leave it
+    x.add_(1)
+    del x
+    process_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
+    s = train(tiny_cfg("train.steps=3", "train.eval_every=3", "train.checkpoint_every=3"), tmp_path / "run",
+              data=markov_data(), progress=False)
+    assert s["peak_memory_kind"] == "cpu_max_rss" and 10 < s["peak_memory_mb"] < process_peak - 400

@@ -16,7 +16,7 @@ import typer
 from . import align as align_cli
 from . import analyze as analyze_cli
 from . import regular as regular_cli
-from .common import friendly
+from .common import DeviceOpt, friendly
 
 app = typer.Typer(
     add_completion=False,

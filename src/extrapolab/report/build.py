@@ -109,7 +109,7 @@ def cost_table(db: ResultsDB) -> str:
     if not per and not bench:
         return "no cost data\n"
     if per:
-        rows += ["Per-run wall clock (medians over seeds). Runs trained side by side in worker processes under "
+        rows += ["Per-run wall clock (medians over seeds). Each run was timed in its own process (one after another or side by side) under "
                  "whatever else ran, so these are not comparable across runs and no ratio is taken; peak RSS is "
                  "each run's own (peak reset when its training starts).", "",
                  "| scheme | train s/step | eval s | ERF/TRF s | peak RSS MB |", "|---|---|---|---|---|"]

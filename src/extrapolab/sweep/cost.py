@@ -28,16 +28,18 @@ def bench_settings(base: C.RunConfig, vocab_size: int, schemes) -> dict:
             "schemes": specs, "rounds": ROUNDS}
 
 
-def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, say=lambda m: None) -> dict:
-    """Train step, eval forward and attention-only timings of every swept scheme vs NoPE."""
+def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, workers: int = 1, say=lambda m: None) -> dict:
+    """Train step, eval forward and attention-only timings of every swept scheme vs NoPE, at the
+    threads each run trained with (one per worker on a shared CPU: robust to load from others)."""
     st = bench_settings(base, vocab_size, schemes)
     model = ModelConfig(**st["model"])
-    threads = base.train.threads or os.cpu_count() or 1
+    threads = base.train.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     before = torch.get_num_threads()
-    say(f"cost: one bench pass over {len(st['schemes'])} schemes + NoPE at L_tr = {st['L']}, batch {st['batch']}, "
+    specs = as_specs([tuple(s) for s in st["schemes"]])
+    say(f"cost: one bench pass over {len(specs)} schemes (NoPE the baseline) at L_tr = {st['L']}, batch {st['batch']}, "
         f"{threads} threads, {ROUNDS} rounds (one process; ratios paired per round)")
     try:
-        res = run_bench(as_specs([tuple(s) for s in st["schemes"]]), lengths_train=(st["L"],), model_cfg=model,
+        res = run_bench(specs, lengths_train=(st["L"],), model_cfg=model,
                         repeats=ROUNDS, warmup=WARMUP, threads=threads, groups=("train",),
                         batch=st["batch"], flush=base.train.flush_denormals, progress=False)
     finally:

@@ -55,6 +55,7 @@ class Monitor:
         self.progress, self.enabled, self.every = enabled, enabled and bool(run_ids), every
         self.console = Console(stderr=True, soft_wrap=True)
         self._stop, self._thread, self._live, self.t0 = threading.Event(), None, None, time.time()
+        self.phase = ""  # shown once every run is done, e.g. the cost bench pass
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -73,7 +74,9 @@ class Monitor:
         for r in running:
             st = status[r]["status"]
             parts.append(f"{r}: " + ("evaluating" if st == "evaluating" else f"step {steps[r][0]}/{self.steps}"))
-        if rates:
+        if self.phase and not running and not queued:
+            parts.append(self.phase)
+        elif rates:
             sps = statistics.median(rates)
             ev = statistics.median(evals) if evals else EVAL_SHARE_GUESS * self.steps * sps
             left = sum((self.steps - steps[r][0]) * sps + ev if status[r]["status"] == "training" else ev / 2

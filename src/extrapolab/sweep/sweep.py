@@ -142,6 +142,7 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
                 with ProcessPoolExecutor(max_workers=n_proc, mp_context=ctx) as pool:
                     for fut in as_completed([pool.submit(_run_job, job, False) for job in group]):
                         mon.say(fut.result())
+        mon.phase = "cost: one bench pass over the schemes (seconds to a minute)"
         cost = cost_section(db, base, spec, vocab, mon.say)
     wall = time.time() - t0
     db.set_meta(last_wall_s=wall, **({"cost_bench": cost} if cost else {}))
@@ -159,7 +160,7 @@ def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict,
     if stored and stored.get("settings") == json.loads(json.dumps(bench_settings(base, vocab[ds], spec.schemes))):
         return None
     t = time.time()
-    res = run_cost_bench(base, vocab[ds], spec.schemes, say)
+    res = run_cost_bench(base, vocab[ds], spec.schemes, spec.workers, say)
     res["seconds"] = time.time() - t
     say(f"cost: bench pass done in {res['seconds']:.0f} s")
     return res
