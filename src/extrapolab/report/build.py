@@ -109,8 +109,8 @@ def cost_table(db: ResultsDB) -> str:
     if not per and not bench:
         return "no cost data\n"
     if per:
-        rows += ["Per-run wall clock (medians over seeds). Each run was timed in its own process (one after another or side by side) under "
-                 "whatever else ran, so these are not comparable across runs and no ratio is taken; peak RSS is "
+        rows += ["Per-run wall clock (medians over seeds). Each run's figures were taken while it trained and evaluated (one after another or side by side, under "
+                 "whatever else ran on the host), so these are not comparable across runs and no ratio is taken; peak RSS is "
                  "each run's own (peak reset when its training starts).", "",
                  "| scheme | train s/step | eval s | ERF/TRF s | peak RSS MB |", "|---|---|---|---|---|"]
         for label, d in per.items():

@@ -16,31 +16,32 @@ from .. import config as C
 from ..model.gpt import ModelConfig
 from ..perf.bench import as_specs, run_bench
 
-ROUNDS, WARMUP = 7, 1  # each round is one step per scheme: seconds at demo size
+WARMUP = 1  # rounds (sweep.cost_rounds, 7 by default) are one step per scheme each: seconds at demo size
 
 
-def bench_settings(base: C.RunConfig, vocab_size: int, schemes) -> dict:
+def bench_settings(base: C.RunConfig, vocab_size: int, schemes, rounds: int) -> dict:
     """What a stored bench pass must match to be reused on resume."""
     model = replace(ModelConfig(**{k: v for k, v in asdict(base.model).items() if k in ModelConfig.__dataclass_fields__}),
                     vocab_size=int(vocab_size))
     specs = [(s.label, s.name, dict(s.params)) for s in schemes]
     return {"model": asdict(model), "batch": base.train.batch_size, "L": base.model.train_length,
-            "schemes": specs, "rounds": ROUNDS}
+            "schemes": specs, "rounds": int(rounds)}
 
 
-def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, workers: int = 1, say=lambda m: None) -> dict:
+def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, workers: int = 1, rounds: int = 7,
+                   say=lambda m: None) -> dict:
     """Train step, eval forward and attention-only timings of every swept scheme vs NoPE, at the
     threads each run trained with (one per worker on a shared CPU: robust to load from others)."""
-    st = bench_settings(base, vocab_size, schemes)
+    st = bench_settings(base, vocab_size, schemes, rounds)
     model = ModelConfig(**st["model"])
     threads = base.train.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     before = torch.get_num_threads()
     specs = as_specs([tuple(s) for s in st["schemes"]])
     say(f"cost: one bench pass over {len(specs)} schemes (NoPE the baseline) at L_tr = {st['L']}, batch {st['batch']}, "
-        f"{threads} threads, {ROUNDS} rounds (one process; ratios paired per round)")
+        f"{threads} threads, {rounds} rounds (one process; ratios paired per round)")
     try:
         res = run_bench(specs, lengths_train=(st["L"],), model_cfg=model,
-                        repeats=ROUNDS, warmup=WARMUP, threads=threads, groups=("train",),
+                        repeats=rounds, warmup=WARMUP, threads=threads, groups=("train",),
                         batch=st["batch"], flush=base.train.flush_denormals, progress=False)
     finally:
         torch.set_num_threads(before)

@@ -43,6 +43,7 @@ class SweepSpec:
     reference: str
     budget: str = ""
     workers: int = 1  # runs trained in parallel processes (threads split between them)
+    cost_rounds: int = 7  # paired rounds of the cost bench pass after training
 
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
@@ -63,9 +64,10 @@ class SweepSpec:
         seeds = [int(x) for x in d.get("seeds", [0])]
         datasets = [str(x) for x in d.get("datasets", ["stdlib"])]
         workers = int(d.get("workers", 1))
-        if workers < 1:
-            raise UserError(f"sweep.workers must be >= 1, got {workers}")
-        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers)
+        rounds = int(d.get("cost_rounds", 7))
+        if workers < 1 or rounds < 1:
+            raise UserError(f"sweep.workers and sweep.cost_rounds must be >= 1, got {workers} and {rounds}")
+        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, rounds)
 
 
 def load_sweep(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, SweepSpec]:
@@ -157,10 +159,10 @@ def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict,
 
     ds = spec.datasets[0]
     stored = db.meta().get("cost_bench")
-    if stored and stored.get("settings") == json.loads(json.dumps(bench_settings(base, vocab[ds], spec.schemes))):
+    if stored and stored.get("settings") == json.loads(json.dumps(bench_settings(base, vocab[ds], spec.schemes, spec.cost_rounds))):
         return None
     t = time.time()
-    res = run_cost_bench(base, vocab[ds], spec.schemes, spec.workers, say)
+    res = run_cost_bench(base, vocab[ds], spec.schemes, spec.workers, spec.cost_rounds, say)
     res["seconds"] = time.time() - t
     say(f"cost: bench pass done in {res['seconds']:.0f} s")
     return res
