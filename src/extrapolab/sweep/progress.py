@@ -62,14 +62,16 @@ class Monitor:
             self.console.print(f"[bold cyan]extrapolab[/] {msg}")
 
     def line(self, db: ResultsDB) -> str:
-        status = {r["run_id"]: r for r in db.runs(status=None) if r["run_id"] in set(self.run_ids)}
+        every = db.runs(status=None)  # finished runs of earlier sessions also tell step and eval times
+        status = {r["run_id"]: r for r in every if r["run_id"] in set(self.run_ids)}
+        finished = [r for r in every if r["status"] == "done"]
         done = [status[r] for r in self.run_ids if status.get(r, {}).get("status") == "done"]
         running = [r for r in self.run_ids if status.get(r, {}).get("status") in ("training", "evaluating")]
         queued = len(self.run_ids) - len(done) - len(running)
         steps = {r: _last_step(self.out / "runs" / r) for r in running}
-        rates = [s for _, s in steps.values() if s] + [r["summary"].get("median_sec_per_step") for r in done
+        rates = [s for _, s in steps.values() if s] + [r["summary"].get("median_sec_per_step") for r in finished
                                                         if r["summary"].get("median_sec_per_step")]
-        evals = [(r["summary"].get("eval_wall_s") or 0) + (r["summary"].get("analysis_wall_s") or 0) for r in done]
+        evals = [(r["summary"].get("eval_wall_s") or 0) + (r["summary"].get("analysis_wall_s") or 0) for r in finished]
         parts = [f"runs {len(done)} done / {len(running)} running / {queued} queued"]
         for r in running:
             st = status[r]["status"]
