@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 from extrapolab import positional
-from extrapolab.perf.bench import PeakRSS
+from extrapolab.memory import PeakMemory
 from extrapolab.model import toeplitz as A
 from extrapolab.model.attention import AttnOptions, attend
 from extrapolab.model.tables import DistanceBias
@@ -178,7 +178,7 @@ def test_long_blocked_exact_and_never_materialises_LxL(name):
     L = 8192  # one [H, L, L] fp32 score tensor would be 1 GiB
     q, k, v = (torch.randn(1, 4, L, 16, generator=g) for _ in range(3))
     pos = torch.arange(L)
-    with torch.no_grad(), PeakRSS() as mem:
+    with torch.no_grad(), PeakMemory() as mem:
         attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="auto"))
     assert mem.mib < 96, mem.mib
 

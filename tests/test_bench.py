@@ -1,38 +1,101 @@
-"""E8 benchmark (extrapolab.perf.bench): structure, same-run NoPE ratios, memory sampling, errors."""
+"""E8 benchmark (extrapolab.perf): one-process paired ratios, provenance checks, rotation, goals, errors."""
 import json
+import os
 
 import pytest
-import torch
 
-from extrapolab.perf.bench import PeakRSS, _round_robin, format_table, run_bench
 from extrapolab.io import UserError
 from extrapolab.model.gpt import ModelConfig
+from extrapolab.perf.bench import run_bench
+from extrapolab.perf.table import check_goals, format_table
+from extrapolab.perf.timing import ProvenanceError, median_ci, paired_ratio, provenance, round_robin, rotated
 
 TINY = ModelConfig(vocab_size=64, layers=2, heads=2, dim=16)
 
 
-def test_tiny_bench_writes_json_with_nope_ratios(tmp_path):
-    out = tmp_path / "bench.json"
-    res = run_bench(["alibi", "kerple-log", "learned"], lengths_train=(16,), long_lengths=(200,),
-                    model_cfg=TINY, repeats=2, warmup=0, gen_window=4, out_json=out, batch_tokens=32,
-                    gen_reps=2, progress=False)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    res = run_bench(["alibi", "kerple-log", "learned", ("windowed(8)", "windowed", {"window": 8})],
+                    lengths_train=(16,), long_lengths=(200,), model_cfg=TINY, repeats=3, warmup=0, gen_window=4,
+                    out_json=out, batch_tokens=32, gen_reps=2, threads=1, progress=False)
+    return res, out
+
+
+def test_rows_of_one_pass_share_process_and_sizes(tiny):
+    res, out = tiny
     assert json.loads(out.read_text())["meta"]["baseline"].startswith("none")
     rows = res["train"]["16"]
-    assert list(rows) == ["none", "alibi", "kerple-log", "learned"]  # NoPE is always measured first
-    assert rows["none"]["step_ms_ratio"] == 1.0 and rows["none"]["fwd_ms_ratio"] == 1.0
+    assert list(rows) == ["none", "alibi", "kerple-log", "learned", "windowed(8)"]
+    assert {r["pid"] for r in rows.values()} == {os.getpid()}
+    assert len({r["config"] for r in rows.values()}) == 1 and '"L": 16' in rows["none"]["config"]
     for r in rows.values():
-        assert r["step_ms"] > 0 and r["batch"] == 2
-        assert r["train_tokens_per_s"] == pytest.approx(32 / (r["step_ms"] / 1e3))
-        assert r["step_ms_ratio"] == pytest.approx(r["step_ms"] / rows["none"]["step_ms"])
-        assert r["step_cpu_ms_ratio"] == pytest.approx(r["step_cpu_ms"] / rows["none"]["step_cpu_ms"])
+        assert r["batch"] == 2 and all(len(r[k]) == 3 for k in ("step_s", "fwd_s", "attn_s"))
+        for k in ("step_s", "fwd_s", "attn_s"):  # the stored ratio is the paired one, recomputable
+            assert r[k + "_ratio"] == paired_ratio(r, rows["none"], k)
+    assert rows["none"]["step_s_ratio"]["median"] == 1.0
+
+
+def test_long_rows_rotate_three_rounds_and_mark_sparse(tiny):
+    res, _ = tiny
     long = res["long"]["200"]
-    assert "skipped" in long["learned"] and "learned APE" in long["learned"]["skipped"]  # L_tr = 34 rows
-    assert long["alibi"]["fwd_s_ratio"] == pytest.approx(long["alibi"]["fwd_s"] / long["none"]["fwd_s"])
-    gen = res["generation"]
-    assert gen["positions"] == [4, 8, 16, 32] and len(gen["alibi"]["cached_ms"]) == 4
-    assert gen["alibi"]["speedup_at_end"] == pytest.approx(gen["alibi"]["reencode_ms"] / gen["alibi"]["cached_ms"][-1])
+    assert "skipped" in long["learned"] and "learned APE" in long["learned"]["skipped"]
+    assert all(len(long[s]["fwd_s"]) == 3 for s in ("none", "alibi", "windowed(8)"))  # >= 3 even if fewer asked
+    assert long["windowed(8)"]["sparse"] and not long["alibi"]["sparse"] and not long["none"]["sparse"]
     table = format_table(res)
-    assert "| kerple-log |" in table and "×NoPE" in table and "L = 200" in table
+    assert "| windowed(8) (sparse) |" in table and "attention-only" in table and "L = 200" in table
+    assert "flushing off" in table and "goals: not checked" in table
+
+
+def test_denormals_rows_pair_alibi_with_nope_in_each_mode(tiny):
+    d = tiny[0]["denormals"]
+    assert d["threads"] == 1 and set(d["rows"]) == {"none flush", "none keep", "alibi flush", "alibi keep"}
+    assert d["rows"]["alibi keep"]["vs_nope"]["rounds"] == 3
+    assert "keep_vs_flush" in d["rows"]["none keep"]
+
+
+def test_ratio_refuses_another_process_or_another_size():
+    import torch
+
+    cpu = torch.device("cpu")
+    base = {**provenance(cpu, L=512, batch=8), "t": [1.0, 1.0, 1.0]}
+    same = {**provenance(cpu, L=512, batch=8), "t": [1.1, 1.2, 1.0]}
+    assert paired_ratio(same, base, "t")["median"] == pytest.approx(1.1)
+    other_pid = {**same, "pid": base["pid"] + 1}
+    other_size = {**provenance(cpu, L=128, batch=8), "t": [1.1, 1.2, 1.0]}
+    with pytest.raises(ProvenanceError, match="pid"):
+        paired_ratio(other_pid, base, "t")
+    with pytest.raises(ProvenanceError, match="config"):
+        paired_ratio(other_size, base, "t")
+    with pytest.raises(ProvenanceError, match="rounds"):
+        paired_ratio({**same, "t": [1.0, 1.0]}, base, "t")
+
+
+def test_rounds_rotate_so_nope_is_not_always_first():
+    calls = []
+    res = round_robin({"a": lambda: calls.append("a"), "b": lambda: calls.append("b"), "c": lambda: calls.append("c")},
+                      3, __import__("torch").device("cpu"))
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"] and all(len(v) == 3 for v in res.values())
+    assert rotated([1, 2, 3], 4) == [2, 3, 1]
+
+
+def test_median_interval_from_order_statistics():
+    assert median_ci([5, 1, 3, 2, 4, 7, 6]) == (1, 7)  # n = 7: only min..max covers 95%
+    assert median_ci(list(range(1, 10))) == (2, 8)  # n = 9: P(B <= 1) = 0.0195 <= 0.025
+
+
+def test_goals_read_the_train_rows_at_512():
+    def row(scheme, m):
+        return {"scheme": scheme, "step_s_ratio": {"median": m, "min": m, "max": m, "stable": True}}
+
+    res = {"meta": {"threads": 2, "repeats": 9},
+           "train": {"512": {"none": row("none", 1.0), "rotary": row("rotary", 1.14), "alibi": row("alibi", 1.02),
+                             "t5": row("t5", 1.05), "learned": row("learned", 1.5)}}}
+    lines = check_goals(res)
+    assert "NOT met" in lines[0] and "rotary 1.14 MISSED" in lines[0] and "alibi 1.02" in lines[0]
+    assert "T5 and KERPLE" in lines[1] and "met" in lines[1] and "learned" not in " ".join(lines)
+    res["meta"]["threads"] = 1
+    assert "goals are stated for 2 threads" in check_goals(res)[0]
 
 
 def test_unknown_scheme_and_bad_sizes_fail_in_one_line(tmp_path):
@@ -40,19 +103,6 @@ def test_unknown_scheme_and_bad_sizes_fail_in_one_line(tmp_path):
         run_bench(["alibbi"], model_cfg=TINY, out_json=tmp_path / "x.json")
     with pytest.raises(UserError, match="repeats"):
         run_bench(["alibi"], model_cfg=TINY, repeats=0)
+    with pytest.raises(UserError, match="bench group"):
+        run_bench(["alibi"], model_cfg=TINY, groups=("nope",))
     assert not (tmp_path / "x.json").exists()
-
-
-def test_peak_rss_sees_torch_allocations():
-    with PeakRSS() as mem:
-        x = torch.ones(40 * 2**20 // 4 * 4)  # 160 MiB, touched
-        x.add_(1)
-        del x
-    assert 120 < mem.mib < 400
-
-
-def test_round_robin_takes_medians():
-    calls = []
-    res = _round_robin({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3)
-    assert calls == ["a", "b", "b", "a", "a", "b"] and set(res) == {"a", "b"}
-    assert all(len(v) == 2 and v[0] >= 0 and v[1] >= 0 for v in res.values())  # (wall, cpu) medians

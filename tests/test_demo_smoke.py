@@ -37,6 +37,27 @@ def test_demo_smoke_writes_the_report(smoke):
     assert vals and all(1.0 < v < 1e6 for v in vals)
 
 
+def test_cost_section_is_one_bench_pass_and_per_run_figures_have_no_ratios(smoke):
+    """E8 ratios come from one process at the sweep's own sizes; per-run wall clock is only listed."""
+    from extrapolab.report.db import ResultsDB
+    from extrapolab.perf.timing import paired_ratio
+
+    out = smoke[2]["out"]
+    db = ResultsDB(out / "results.sqlite")
+    bench = db.meta()["cost_bench"]
+    db.close()
+    rows = bench["rows"]
+    assert list(rows) == ["none", "alibi", "sinusoidal"]
+    assert len({(r["pid"], r["config"]) for r in rows.values()}) == 1  # one process, one size
+    assert '"L": 32' in rows["none"]["config"] and '"batch": 4' in rows["none"]["config"]  # the sweep's L_tr, batch
+    assert bench["settings"]["model"]["dim"] == 32 and bench["settings"]["L"] == 32
+    assert rows["alibi"]["step_s_ratio"] == paired_ratio(rows["alibi"], rows["none"], "step_s")
+    cost = (out / "cost.md").read_text()
+    bench_part, per_run = cost.split("Per-run wall clock")
+    assert "One bench pass" in bench_part and "| alibi |" in bench_part and "×NoPE" in bench_part
+    assert "×NoPE" not in per_run and "no ratio is taken" in per_run
+
+
 def test_demo_resume_skips_finished_runs_and_keeps_rows(smoke):
     tmp, over, res = smoke
     out = res["out"]
@@ -80,3 +101,38 @@ def test_demo_records_erf_and_trf_and_reports_them(smoke):
     assert "| none | 128 |" in md and "no bias" in md
     assert "empirical receptive field" in (out / "report.html").read_text()
     assert (out / "figures" / "erf.png").is_file() and (out / "figures" / "erf.svg").is_file()
+
+
+def _e1_means(md: str) -> tuple[dict, int]:
+    """{label: {L: mean ppl}} and L_tr from the E1 table of a report.md (docs/results/demo-quick.md)."""
+    sec = md.split("## E1 nonoverlapping")[1].split("\n## ")[0]
+    Ltr = int(sec.split("L_tr = ")[1].split()[0])
+    rows = [line.strip("|").split("|") for line in sec.splitlines() if line.startswith("| ")]
+    labels = [c.strip() for c in rows[0][1:]]
+    means = {lb: {} for lb in labels}
+    for r in rows[1:]:
+        for lb, cell in zip(labels, r[1:]):
+            if cell.strip() not in ("—", ""):
+                means[lb][int(r[0])] = float(cell.split("±")[0].strip().rstrip("†*"))
+    return means, Ltr
+
+
+def test_published_demo_table_shows_the_papers_picture():
+    """docs/results/demo-quick.md (written by `make demo`) keeps the picture its preset was cut to keep."""
+    from pathlib import Path
+
+    from extrapolab.report.picture import picture_checks
+
+    md = (Path(__file__).parents[1] / "docs" / "results" / "demo-quick.md").read_text()
+    means, Ltr = _e1_means(md)
+    checks = picture_checks(means, Ltr)
+    assert {lb.split("(")[0] for lb, _, _ in checks} == {"sinusoidal", "learned", "alibi", "windowed", "t5",
+                                                         "kerple-log", "sandwich"}
+    assert all(ok for _, ok, _ in checks), [c for c in checks if not c[1]]
+
+
+def test_picture_check_fails_a_table_without_the_picture():
+    from extrapolab.report.picture import picture_checks
+
+    bad = {"sinusoidal": {64: 90.0, 1024: 92.0}, "alibi": {64: 75.0, 1024: 90.0}, "sandwich": {64: 75.0, 1024: 76.0}}
+    assert [ok for _, ok, _ in picture_checks(bad, 64)] == [False, False, False]

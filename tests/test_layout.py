@@ -13,7 +13,7 @@ STAGES = ["positional", "model", "data", "train", "eval", "analysis", "report"]
 STUDIES = ["perf", "hf", "align", "regular", "sweep"]
 ORDER = STAGES + STUDIES + ["cli"]
 #: what the shared top-level modules may import (config validates model/scheme options)
-TOP_LEVEL = {"io": [], "config": ["positional", "model"], "__main__": ["cli"]}
+TOP_LEVEL = {"io": [], "memory": [], "config": ["positional", "model"], "__main__": ["cli"]}
 
 
 def _modules(root: Path = ROOT) -> dict[str, Path]:

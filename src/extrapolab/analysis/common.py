@@ -1,4 +1,4 @@
-"""Shared helpers of the analysis tools (A1-A5): figures, peak memory, segments, JSON.
+"""Shared helpers of the analysis tools (A1-A5): figures, segments, JSON (peak memory: extrapolab.memory).
 
 Figures use matplotlib's object-oriented ``Figure`` (no pyplot state, Agg canvas) and are
 written as PNG + SVG through :func:`extrapolab.io.atomic_write_with`, so a figure is either
@@ -7,9 +7,6 @@ complete or absent.
 from __future__ import annotations
 
 import math
-import os
-import threading
-import time
 from pathlib import Path
 from typing import Iterable
 
@@ -42,57 +39,6 @@ def save_figure(fig, stem: str | Path, formats: Iterable[str] = FORMATS) -> list
         atomic_write_with(path, lambda p, e=ext: fig.savefig(p, format=e, dpi=130))
         out.append(str(path))
     return out
-
-
-# ---- peak memory -----------------------------------------------------------------------------
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-class PeakMemory:
-    """Peak extra memory of a block: CUDA allocator peak on GPU, sampled process RSS on CPU.
-
-    On CPU a thread polls /proc/self/statm every ``interval`` s; ``peak_mb`` is the highest RSS
-    seen minus the RSS at entry (0 where /proc is unavailable)."""
-
-    def __init__(self, device: torch.device | str = "cpu", interval: float = 0.002) -> None:
-        self.device = torch.device(device)
-        self.interval = interval
-        self.peak_mb = 0.0
-        self.method = "cuda.max_memory_allocated" if self.device.type == "cuda" else "rss-sampling"
-
-    def __enter__(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            return self
-        self._base = _rss_bytes()
-        self._peak = self._base
-        self._stop = threading.Event()
-
-        def poll():
-            while not self._stop.is_set():
-                self._peak = max(self._peak, _rss_bytes())
-                time.sleep(self.interval)
-
-        self._thread = threading.Thread(target=poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_mb = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
-            return
-        self._stop.set()
-        self._thread.join()
-        self._peak = max(self._peak, _rss_bytes())
-        self.peak_mb = max(0.0, (self._peak - self._base) / 2**20)
 
 
 # ---- data ------------------------------------------------------------------------------------

@@ -36,9 +36,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..eval.core import model_device
 from ..io import UserError
+from ..memory import PeakMemory
 from ..model.attention import AttnOptions
 from .attn import attention_rows, capture_qkv
-from .common import PeakMemory, as_segments, new_figure, save_figure
+from .common import as_segments, new_figure, save_figure
 
 ERF_CONVENTION = (
     "c has L_ex entries over 1-based positions 1..L_ex; inputs are tokens 1..L_ex-1 and the "

@@ -165,14 +165,20 @@ def report(
 @app.command()
 @friendly
 def bench(
-    quick: bool = typer.Option(False, "--quick", help="fewer schemes/lengths/repeats"),
+    quick: bool = typer.Option(False, "--quick", help="7 schemes, L_tr 128/512, one long length (4096)"),
     schemes_: Optional[str] = typer.Option(None, "--schemes", help="comma-separated scheme names"),
+    device: str = DeviceOpt,
+    threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default); the goals are stated at 2"),
+    rounds: int = typer.Option(0, "--rounds", help="paired rounds per row (0 = the default, 9)"),
     out: Path = typer.Option(Path("reports/bench.json"), "--out", help="JSON output"),
 ):
-    """Speed/memory of every scheme as ratios to bias-free SDPA measured in the same run (E8)."""
-    from ..perf.bench import format_table, run_bench
+    """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
+    from ..perf.bench import run_bench
+    from ..perf.table import format_table
 
-    kwargs = {"out_json": out, "quick": quick}
+    kwargs = {"out_json": out, "quick": quick, "device": device, "threads": threads or None}
+    if rounds:
+        kwargs["repeats"] = rounds
     if schemes_:
         kwargs["schemes"] = [s.strip() for s in schemes_.split(",") if s.strip()]
     res = run_bench(**kwargs)

@@ -20,6 +20,7 @@ from ..io import atomic_write_text
 from .db import ResultsDB
 from .html import img_tag, md_table_to_html, page
 from .analysis_section import erf_table, plot_erf_overlay
+from .picture import picture_markdown
 from .plots import plot_ppl_vs_length, plot_positionwise
 
 PROTOCOL_TITLES = {
@@ -73,29 +74,49 @@ def verdict_table(db: ResultsDB, meta: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _ratio(r: dict | None) -> str:
+    """A paired ratio stored by the bench pass: 'median (min–max)', '~' where not reproducible to 3%."""
+    if not r:
+        return "—"
+    return f"{r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f})" + ("" if r.get("stable") else " ~")
+
+
 def cost_table(db: ResultsDB) -> str:
+    """E8: ratios from the sweep's one bench pass; per-run wall clock below it, with no ratios."""
+    meta, rows = db.meta(), []
+    bench = meta.get("cost_bench")
+    if bench:
+        m, st = bench["meta"], bench["settings"]
+        ms = lambda xs: f"{1e3 * float(np.median(xs)):.1f}"  # noqa: E731 - per-round seconds -> median ms
+        rows += [f"One bench pass after training, in one process (pid {m['pid']}, {m['threads']} threads, "
+                 f"{m['repeats']} rotated rounds), at this sweep's model (R={st['model']['layers']}, "
+                 f"H={st['model']['heads']}, d={st['model']['dim']}, vocabulary {st['model']['vocab_size']}), "
+                 f"L_tr = {st['L']}, batch {st['batch']}. ×NoPE: median of per-round paired ratios (min–max; "
+                 "~ = median's 95% interval wider than ±3%). Memory: peak increase during one train step.", "",
+                 "| scheme | train step ms | step ×NoPE | eval forward ms | forward ×NoPE | attention-only ×NoPE "
+                 "| peak MiB per step | params |", "|---|---|---|---|---|---|---|---|"]
+        for label, r in bench["rows"].items():
+            rows.append(f"| {label} | {ms(r['step_s'])} | {_ratio(r.get('step_s_ratio'))} | {ms(r['fwd_s'])} | "
+                        f"{_ratio(r.get('fwd_s_ratio'))} | {_ratio(r.get('attn_s_ratio'))} | {r['peak_mib']:.0f} | "
+                        f"{r['params']:,} |")
+        rows.append("")
     per: dict = defaultdict(lambda: defaultdict(list))
     for r in db.runs():
         s = r["summary"]
-        for key in ("median_sec_per_step", "tokens_per_s", "eval_tokens_per_s", "peak_memory_mb", "params"):
+        for key in ("median_sec_per_step", "eval_wall_s", "analysis_wall_s", "peak_memory_mb"):
             if isinstance(s.get(key), (int, float)):
                 per[r["label"]][key].append(float(s[key]))
-    if not per:
+    if not per and not bench:
         return "no cost data\n"
-    base = per.get("none") or next(iter(per.values()))
-    b = {k: np.median(v) for k, v in base.items()}
-    rows = ["| scheme | train s/step | train tokens/s | ×NoPE time | eval tokens/s | peak RSS MB | params |",
-            "|---|---|---|---|---|---|---|"]
-    for label, d in per.items():
-        med = {k: float(np.median(v)) for k, v in d.items()}
-        ratio = med.get("median_sec_per_step", math.nan) / b.get("median_sec_per_step", math.nan)
-        rows.append(f"| {label} | {med.get('median_sec_per_step', math.nan):.4f} | {med.get('tokens_per_s', math.nan):,.0f} | "
-                    f"{ratio:.2f} | {med.get('eval_tokens_per_s', math.nan):,.0f} | {med.get('peak_memory_mb', math.nan):,.0f} | "
-                    f"{med.get('params', math.nan):,.0f} |")
-    rows.append("")
-    rows.append("Medians over seeds, measured during the sweep's own training/evaluation on this machine "
-                "(runs may share the CPU with parallel sweep workers, so these ratios are noisy; "
-                "for controlled ratios use `extrapolab bench`).")
+    if per:
+        rows += ["Per-run wall clock (medians over seeds). Each run's figures were taken while it trained and evaluated (one after another or side by side, under "
+                 "whatever else ran on the host), so these are not comparable across runs and no ratio is taken; peak RSS is "
+                 "each run's own (peak reset when its training starts).", "",
+                 "| scheme | train s/step | eval s | ERF/TRF s | peak RSS MB |", "|---|---|---|---|---|"]
+        for label, d in per.items():
+            med = {k: float(np.median(v)) for k, v in d.items()}
+            rows.append(f"| {label} | {med.get('median_sec_per_step', math.nan):.3f} | {med.get('eval_wall_s', math.nan):.0f} | "
+                        f"{med.get('analysis_wall_s', math.nan):.0f} | {med.get('peak_memory_mb', math.nan):,.0f} |")
     return "\n".join(rows) + "\n"
 
 
@@ -118,6 +139,13 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
         sections.append((title, md_table_to_html(t["markdown"]) + img_tag(png, stem)
                          + f"<p>CSV: <code>{stem}.csv</code></p>"))
         md_parts.append(f"## {title}\n\n{t['markdown']}\n![]({png.relative_to(out)})\n")
+        if t["protocol"] == "nonoverlapping":
+            pic = picture_markdown({lb: {L: m["mean"] for L, m in byL.items() if m["mean"] is not None}
+                                    for lb, byL in t["means"].items()}, Ltr)
+            if pic:
+                atomic_write_text(out / f"picture_{t['dataset']}.md", pic)
+                sections.append((f"Does it show the papers' picture? — {t['dataset']}", md_table_to_html(pic)))
+                md_parts.append(f"## Does it show the papers' picture? — {t['dataset']}\n\n{pic}")
     pw = db.series("positionwise", "ppl")
     if pw:
         ref = db.series("positionwise", "windowed_ppl")

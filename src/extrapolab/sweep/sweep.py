@@ -7,6 +7,7 @@ from its last checkpoint. Every number in the report comes from the database, so
 from __future__ import annotations
 
 import copy
+import json
 import multiprocessing
 import os
 import time
@@ -19,6 +20,7 @@ import torch
 from .. import config as C
 from ..io import LockBusy, UserError, is_locked, run_lock, run_lock_path
 from ..report.db import ResultsDB
+from .progress import Monitor
 
 
 @dataclass
@@ -62,6 +64,7 @@ class SweepSpec:
     reference: str
     budget: str = ""
     workers: int = 1  # runs trained in parallel processes (threads split between them)
+    cost_rounds: int = 7  # paired rounds of the cost bench pass after training
     models: list[ModelSpec] = field(default_factory=list)  # hf: models evaluated next to the runs
 
     @classmethod
@@ -85,10 +88,11 @@ class SweepSpec:
         seeds = [int(x) for x in d.get("seeds", [0])]
         datasets = [str(x) for x in d.get("datasets", ["stdlib"])]
         workers = int(d.get("workers", 1))
-        if workers < 1:
-            raise UserError(f"sweep.workers must be >= 1, got {workers}")
+        rounds = int(d.get("cost_rounds", 7))
+        if workers < 1 or rounds < 1:
+            raise UserError(f"sweep.workers and sweep.cost_rounds must be >= 1, got {workers} and {rounds}")
         models = [ModelSpec.parse(m) for m in d.get("models") or []]
-        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, models)
+        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, rounds, models)
 
 
 def load_sweep(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, SweepSpec]:
@@ -142,12 +146,14 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
     workers = max(1, min(spec.workers, len(todo)))
     _say(progress, f"sweep {base.name}: {len(grid)} runs ({len(grid) - len(todo)} already done, "
                    f"{workers} worker{'s' if workers > 1 else ''}) -> {out}")
+    vocab = {}
     for d in spec.datasets:  # tokenize once, before any worker starts
         cfg = copy.deepcopy(base)
         cfg.data.corpus = d
-        prepare(cfg.data, progress=progress)
+        vocab[d] = int(prepare(cfg.data, progress=progress).vocab_size)
     jobs = []
-    for i, dataset, scheme, seed in todo:
+    tail = len(todo) % workers if workers > 1 and len(todo) > workers else 0  # runs left for the last round
+    for n, (i, dataset, scheme, seed) in enumerate(todo):
         rid = run_id(dataset, scheme, seed)
         holder = is_locked(run_lock_path(out / "runs" / rid))  # _run_job checks again, under the lock
         if holder:
@@ -157,27 +163,47 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
         cfg = entry_config(base, scheme)
         cfg.name, cfg.out_dir = rid, str(out / "runs")
         cfg.train.seed, cfg.data.corpus = seed, dataset
-        if workers > 1 and not cfg.train.threads:
-            cfg.train.threads = max(1, (os.cpu_count() or 1) // workers)
+        if workers > 1 and not cfg.train.threads:  # the last round's runs share the cores the pool freed
+            cfg.train.threads = max(1, (os.cpu_count() or 1) // (tail if n >= len(todo) - tail else workers))
         db.mark(rid, dataset=dataset, scheme=scheme.name, label=scheme.label, seed=seed,
                 status="queued", run_dir=str(out / "runs" / rid), config=cfg.to_dict())
         jobs.append((str(out), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}"))
-    if workers == 1:
-        for job in jobs:
-            _say(progress, f"{job[3]}: training ({time.time() - t0:.0f} s elapsed)")
-            _say(progress, _run_job(job, progress))
-    else:  # independent runs in parallel processes; each records its own rows in one transaction
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = [pool.submit(_run_job, job, False) for job in jobs]
-            for n, fut in enumerate(as_completed(futures), 1):
-                _say(progress, f"{fut.result()} ({n}/{len(jobs)} this session, {time.time() - t0:.0f} s elapsed)")
-    evaluate_models(out, base, spec, db, progress)
+    with Monitor(out, [j[1] for j in jobs], base.train.steps, workers, enabled=progress) as mon:
+        if workers == 1:
+            for job in jobs:
+                mon.say(_run_job(job, False))
+        else:  # independent runs in parallel processes; each records its own rows in one transaction
+            head, last = (jobs[:-tail], jobs[-tail:]) if tail else (jobs, [])
+            ctx = multiprocessing.get_context("spawn")
+            for group, n_proc in ((head, workers), (last, tail)):
+                if not group:
+                    continue
+                with ProcessPoolExecutor(max_workers=n_proc, mp_context=ctx) as pool:
+                    for fut in as_completed([pool.submit(_run_job, job, False) for job in group]):
+                        mon.say(fut.result())
+        evaluate_models(out, base, spec, db, False)
+        mon.phase = "cost: one bench pass over the schemes (seconds to a minute)"
+        cost = cost_section(db, base, spec, vocab, mon.say)
     wall = time.time() - t0
-    db.set_meta(last_wall_s=wall)
+    db.set_meta(last_wall_s=wall, **({"cost_bench": cost} if cost else {}))
     report = rebuild_report(out, wall_s=wall)
     db.close()
     return {"report": report, "wall_s": wall, "out": out}
+
+
+def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict, say) -> dict | None:
+    """The report's E8 ratios: one bench pass in this process, unless one with these settings is stored."""
+    from .cost import bench_settings, run_cost_bench
+
+    ds = spec.datasets[0]
+    stored = db.meta().get("cost_bench")
+    if stored and stored.get("settings") == json.loads(json.dumps(bench_settings(base, vocab[ds], spec.schemes, spec.cost_rounds))):
+        return None
+    t = time.time()
+    res = run_cost_bench(base, vocab[ds], spec.schemes, spec.workers, spec.cost_rounds, say)
+    res["seconds"] = time.time() - t
+    say(f"cost: bench pass done in {res['seconds']:.0f} s")
+    return res
 
 
 def _run_job(job: tuple, progress: bool) -> str:
@@ -198,6 +224,7 @@ def _run_job(job: tuple, progress: bool) -> str:
             db.set_status(rid, "training")
             data = prepare(cfg.data, progress=False)
             summary = train(cfg, run_dir, data=data, progress=progress)
+            db.set_status(rid, "evaluating")
             scalars, series, extra = evaluate_run_dir(run_dir, cfg, data)
             db.record(rid, {**summary, **extra}, scalars, series)
     except LockBusy as e:

@@ -202,6 +202,7 @@ class _Trainer:
         cfg, tc, env = self.cfg, self.cfg.train, self.env
         tokens_per_step = tc.batch_size * tc.grad_accum * cfg.model.train_length
         wall0 = time.perf_counter()
+        self.memory = R.start_peak_memory(env.device)  # this run's own peak, even in a reused process
         bar = tqdm(total=tc.steps, initial=self.step, disable=not (self.progress and env.is_main),
                    desc=cfg.name, unit="step", dynamic_ncols=True)
         interval_time, interval_steps, first_batch = 0.0, 0, None
@@ -252,6 +253,7 @@ class _Trainer:
             bar.close()
         self._write_checksum(first_batch)
         if self.step < tc.steps:
+            R.peak_memory(self.memory)  # stop measuring (a sampler thread where the kernel cannot reset)
             return {"finished": False, "step": self.step, "run_dir": str(self.run_dir)}
         return self._finish(tokens_per_step, time.perf_counter() - wall0)
 
@@ -305,7 +307,7 @@ class _Trainer:
 
     def _finish(self, tokens_per_step: int, wall: float) -> dict:
         env, tc = self.env, self.cfg.train
-        mem, kind = R.peak_memory(env.device)
+        mem, kind = R.peak_memory(self.memory)
         mem = max(env.all_gather(mem))
         summary = None
         if env.is_main:

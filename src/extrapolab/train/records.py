@@ -1,4 +1,4 @@
-"""Run records: ``metrics.jsonl`` (one JSON row per log / validation), ``summary.json``, memory.
+"""Run records: ``metrics.jsonl`` (one JSON row per log / validation), ``summary.json``, this run's peak memory.
 
 Rows: ``{"step", "loss", "lr", "tokens", "sec_per_step", "tokens_per_s"}`` every ``log_every``
 steps (loss = mean train loss over the steps since the previous row, averaged over micro-batches
@@ -8,14 +8,13 @@ after the checkpoint's step are dropped (they are re-done), so the file reads as
 from __future__ import annotations
 
 import json
-import resource
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
 from ..io import atomic_write_text
+from ..memory import PeakMemory
 
 METRICS, SUMMARY = "metrics.jsonl", "summary.json"
 
@@ -45,12 +44,19 @@ def append_row(run_dir: Path, row: dict) -> None:
         f.flush()
 
 
-def peak_memory(device: torch.device) -> tuple[float, str]:
-    """(MiB, kind): CUDA max allocated on GPU, else this process's peak resident set size."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda_max_allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**20 if sys.platform == "darwin" else 2**10), "cpu_max_rss"
+def start_peak_memory(device: torch.device) -> PeakMemory:
+    """Start measuring this run's own peak (CUDA peak stats / the kernel's RSS peak are reset), so a
+    run in a reused process (a sweep worker) does not inherit the peaks of earlier runs."""
+    mem = PeakMemory(device, interval=0.05)
+    mem.__enter__()
+    return mem
+
+
+def peak_memory(mem: PeakMemory) -> tuple[float, str]:
+    """(MiB, kind) of a run started with :func:`start_peak_memory`: CUDA max allocated on GPU, else
+    the peak resident set size of the process during the run."""
+    mem.__exit__(None, None, None)
+    return mem.abs_mib, "cuda_max_allocated" if mem.device.type == "cuda" else "cpu_max_rss"
 
 
 def build_summary(run_dir: Path, base: dict, tokens_per_step: int) -> dict:

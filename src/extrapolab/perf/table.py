@@ -1,0 +1,131 @@
+"""Markdown tables of a bench result and the speed goals it checks (docs/protocols.md, E8).
+
+Every ratio is printed as ``median (min–max)`` of the per-round paired ratios to NoPE of the same
+process (:mod:`.timing`); ``~`` marks a ratio whose median's 95% interval is wider than ±3%, i.e.
+one that a second invocation may not reproduce to 3%.
+"""
+from __future__ import annotations
+
+import statistics
+
+from .. import positional
+from .timing import TOLERANCE, fmt_ratio
+
+#: the speed goals of the cost table: train step / NoPE at L_tr = 512, 2 threads, >= 7 rounds
+GOAL_L, GOAL_THREADS, GOAL_ROUNDS = 512, 2, 7
+GOAL_LIMITS = {"parameter-free and rotary": 1.10, "T5 and KERPLE": 1.20}
+
+
+def _ms(times: list[float]) -> float:
+    return 1e3 * statistics.median(times)
+
+
+def goal_group(name: str) -> str | None:
+    """Which goal a registered scheme falls under (None: no goal, e.g. learned APE, NoPE itself)."""
+    if name == "none" or name not in positional.names():
+        return None
+    if name == "t5" or name.startswith("kerple"):
+        return "T5 and KERPLE"
+    return None if positional.build(name, num_heads=2).learnable else "parameter-free and rotary"
+
+
+def check_goals(result: dict) -> list[str]:
+    """One line per goal: each scheme's train-step ratio at L_tr = 512 against its limit."""
+    meta, rows = result["meta"], (result.get("train") or {}).get(str(GOAL_L))
+    if not rows:
+        return [f"goals: not checked (no train rows at L_tr = {GOAL_L})"]
+    where = ("" if meta["threads"] == GOAL_THREADS and meta["repeats"] >= GOAL_ROUNDS else
+             f" [measured at {meta['threads']} threads, {meta['repeats']} rounds; the goals are stated "
+             f"for {GOAL_THREADS} threads, >= {GOAL_ROUNDS} rounds]")
+    out = []
+    for group, limit in GOAL_LIMITS.items():
+        cells, ok = [], True
+        for label, r in rows.items():
+            ratio = r.get("step_s_ratio")
+            if ratio is None or goal_group(r.get("scheme", label)) != group:
+                continue
+            hit = ratio["median"] <= limit
+            ok &= hit
+            cells.append(f"{label} {ratio['median']:.2f}{'' if hit else ' MISSED'}{'' if ratio['stable'] else ' ~'}")
+        if cells:
+            out.append(f"goal {group} <= {limit:.2f}x NoPE per train step at L_tr = {GOAL_L}: "
+                       f"{'met' if ok else 'NOT met'} ({', '.join(cells)}){where}")
+    return out
+
+
+def _train(L: str, rows: dict) -> list[str]:
+    lines = ["", f"### train, L_tr = {L} (batch {next(iter(rows.values()))['batch']})", "",
+             "| scheme | step ms | step ×NoPE | fwd ms | fwd ×NoPE | attention-only fwd+bwd ms | "
+             "attention ×NoPE | peak MiB | params |", "|---" * 9 + "|"]
+    for s, r in rows.items():
+        lines.append(f"| {s} | {_ms(r['step_s']):.1f} | {fmt_ratio(r.get('step_s_ratio'))} | "
+                     + (f"{_ms(r['fwd_s']):.1f} | {fmt_ratio(r.get('fwd_s_ratio'))} | " if "fwd_s" in r else "— | — | ")
+                     + (f"{_ms(r['attn_s']):.1f} | {fmt_ratio(r.get('attn_s_ratio'))} | " if "attn_s" in r else "— | — | ")
+                     + f"{r['peak_mib']:.0f} | {r['params']:,} |")
+    return lines
+
+
+def _long(L: str, rows: dict) -> list[str]:
+    lines = ["", f"### long-context forward, L = {L}, batch 1 (sparse: window-limited, skips masked keys)", "",
+             "| scheme | fwd s | ×NoPE | attention-only s | attention ×NoPE | peak Δ MiB | peak MiB |",
+             "|---" * 7 + "|"]
+    for s, r in rows.items():
+        if "skipped" in r:
+            lines.append(f"| {s} | skipped: {r['skipped']} |" + " |" * 5)
+            continue
+        name = f"{s} (sparse)" if r.get("sparse") else s
+        lines.append(f"| {name} | {_ms(r['fwd_s']) / 1e3:.3f} | {fmt_ratio(r.get('fwd_s_ratio'))} | "
+                     f"{_ms(r['attn_s']) / 1e3:.3f} | {fmt_ratio(r.get('attn_s_ratio'))} | "
+                     f"{r['peak_mib']:.0f} | {r['peak_abs_mib']:.0f} |")
+    return lines
+
+
+def format_generation(gen: dict) -> list[str]:
+    pos = gen["positions"]
+    lines = ["", f"### generation, KV cache window w̄ = {gen['window']} (ms/token at position)", "",
+             "| scheme | " + " | ".join(f"cached @{p}" for p in pos) + f" | re-encode w̄ | speed-up @{pos[-1]} |",
+             "|---" * (len(pos) + 3) + "|"]
+    for s, r in gen.items():
+        if not isinstance(r, dict):
+            continue
+        if "skipped" in r:
+            lines.append(f"| {s} | skipped: {r['skipped']} |" + " |" * (len(pos) + 1))
+            continue
+        lines.append(f"| {s} | " + " | ".join(f"{c:.2f}" for c in r["cached_ms"])
+                     + f" | {r['reencode_ms']:.2f} | {r['speedup_at_end']:.1f}× |")
+    return lines
+
+
+def format_denormals(d: dict) -> list[str]:
+    if "skipped" in d:
+        return ["", f"### denormals: skipped ({d['skipped']})"]
+    lines = ["", f"### denormals: train step, L_tr = {d['L']}, batch {d['batch']}, 1 thread, flush-to-zero on vs off", "",
+             "| row | step ms | ALiBi ×NoPE (same mode) | off ÷ on (same scheme) |", "|---|---|---|---|"]
+    for k, r in d["rows"].items():
+        lines.append(f"| {k.replace('flush', 'flushing on').replace('keep', 'flushing off')} | {_ms(r['step_s']):.1f} | "
+                     f"{fmt_ratio(r.get('vs_nope'))} | {fmt_ratio(r.get('keep_vs_flush'))} |")
+    return lines
+
+
+#: group name -> formatter (add one here with each new group in perf.bench.GROUPS)
+FORMATTERS = {
+    "train": lambda res: [x for L, rows in res.items() for x in _train(L, rows)],
+    "long": lambda res: [x for L, rows in res.items() for x in _long(L, rows)],
+    "generation": format_generation,
+    "denormals": format_denormals,
+}
+
+
+def format_table(result: dict) -> str:
+    """Markdown tables of a :func:`extrapolab.perf.bench.run_bench` result, then the goals."""
+    meta = result["meta"]
+    lines = [f"torch {meta['torch']} on {meta['device']}, {meta['threads']} threads, {meta['cpus']} CPUs, one "
+             f"process (pid {meta['pid']}); {meta['repeats']} rotated rounds (long context: {meta['long_repeats']}); "
+             f"×NoPE = median of per-round paired ratios to {meta['baseline']} (min–max over rounds; ~ = the "
+             f"median's 95% interval is wider than ±{TOLERANCE:.0%}); memory = {meta['memory']}; load average "
+             f"{meta['load_avg_start'][0]:.1f} at start, {meta.get('load_avg_end', [float('nan')])[0]:.1f} at end"]
+    for group, fmt in FORMATTERS.items():
+        if result.get(group):
+            lines += fmt(result[group])
+    lines += [""] + check_goals(result)
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""The sweep report's cost section (E8): one bench pass after training, in this one process.
+
+Ratios across sweep runs would divide timings of different pool workers, taken under different
+load and in run order, so the sweep measures its schemes again with :func:`extrapolab.perf.bench`
+at the sweep's own model config (sizes, vocabulary, L_tr, batch), interleaved and paired per round
+against NoPE, and stores the result in results.sqlite (meta ``cost_bench``) for the report.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, replace
+
+import torch
+
+from .. import config as C
+from ..model.gpt import ModelConfig
+from ..perf.bench import as_specs, run_bench
+
+WARMUP = 1  # rounds (sweep.cost_rounds, 7 by default) are one step per scheme each: seconds at demo size
+
+
+def bench_settings(base: C.RunConfig, vocab_size: int, schemes, rounds: int) -> dict:
+    """What a stored bench pass must match to be reused on resume."""
+    model = replace(ModelConfig(**{k: v for k, v in asdict(base.model).items() if k in ModelConfig.__dataclass_fields__}),
+                    vocab_size=int(vocab_size))
+    specs = [(s.label, s.name, dict(s.params)) for s in schemes]
+    return {"model": asdict(model), "batch": base.train.batch_size, "L": base.model.train_length,
+            "schemes": specs, "rounds": int(rounds)}
+
+
+def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, workers: int = 1, rounds: int = 7,
+                   say=lambda m: None) -> dict:
+    """Train step, eval forward and attention-only timings of every swept scheme vs NoPE, at the
+    threads each run trained with (one per worker on a shared CPU: robust to load from others)."""
+    st = bench_settings(base, vocab_size, schemes, rounds)
+    model = ModelConfig(**st["model"])
+    threads = base.train.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
+    before = torch.get_num_threads()
+    specs = as_specs([tuple(s) for s in st["schemes"]])
+    say(f"cost: one bench pass over {len(specs)} schemes (NoPE the baseline) at L_tr = {st['L']}, batch {st['batch']}, "
+        f"{threads} threads, {rounds} rounds (one process; ratios paired per round)")
+    try:
+        res = run_bench(specs, lengths_train=(st["L"],), model_cfg=model,
+                        repeats=rounds, warmup=WARMUP, threads=threads, groups=("train",),
+                        batch=st["batch"], flush=base.train.flush_denormals, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    return {"settings": st, "meta": res["meta"], "rows": res["train"][str(st["L"])]}
