@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..analysis.common import PeakMemory, as_segments
+from ..analysis.common import as_segments
+from ..memory import PeakMemory
 from ..analysis.erf import erf
 from ..eval.core import model_device
 from ..io import UserError

@@ -34,7 +34,7 @@ from ..io import UserError, atomic_write_json
 from ..memory import PeakMemory
 from ..model.attention import AttnOptions, attend, flush_denormals
 from ..model.gpt import GPT, KVCache, ModelConfig
-from ..model.toeplitz import DistanceBias, is_toeplitz
+from ..model.tables import DistanceBias, is_toeplitz
 from .timing import add_ratios, paired_ratio, provenance, round_robin, timed
 
 BASE = "none"
