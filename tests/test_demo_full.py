@@ -58,5 +58,9 @@ def test_every_preset_loads_and_validates(name):
         from extrapolab.align.experiment import load_align_preset
 
         load_align_preset(name)
+    elif "rope" in raw:
+        from extrapolab.align.rope_study import load_rope_preset
+
+        load_rope_preset(name)
     else:
         resolve(name)
