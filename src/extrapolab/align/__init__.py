@@ -4,7 +4,10 @@
 softmax temperature per layer and per-softmax statistics; :mod:`.algorithm` Algorithm 1 over a
 model and the stored ``temperature.json``; :mod:`.plots` the tau table and curves;
 :mod:`.retrieval` passkey / key-value retrieval; :mod:`.hf_t5` the Hugging Face T5 target;
-:mod:`.experiment` and :mod:`.tables` the one-command study (`extrapolab align experiment`).
+:mod:`.experiment` and :mod:`.tables` the one-command study (`extrapolab align experiment`);
+:mod:`.rope_study` and :mod:`.rope_report` RoPE context extension (PI, NTK, dynamic NTK, YaRN) against
+temperature alignment on one rotary run (`extrapolab align rope`); :mod:`.hf_causal` Algorithm 1 and
+retrieval on Hugging Face causal LMs (`hf:PATH`).
 """
 from .algorithm import TEMPERATURE_FILE, align, collect_logit_stats, load_temperature, save_temperature
 from .plots import align_table, plot_temperature_curves

@@ -171,9 +171,14 @@ def bench(
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default); the goals are stated at 2"),
     rounds: int = typer.Option(0, "--rounds", help="paired rounds per row (0 = the default, 9)"),
     out: Path = typer.Option(Path("reports/bench.json"), "--out", help="JSON output"),
+    regular: bool = typer.Option(False, "--regular", help="also RegularGPT as an LM vs full attention at the same depth"),
+    regular_c: int = typer.Option(16, "--regular-C", help="RegularGPT chunk size C for --regular"),
+    regular_k: int = typer.Option(1, "--regular-K", help="RegularGPT thickness K for --regular"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
+    from ..io import atomic_write_json
     from ..perf.bench import run_bench
+    from ..perf.regular_lm import bench_regular_lm, format_regular_lm
     from ..perf.table import format_table
 
     kwargs = {"out_json": out, "quick": quick, "device": device, "threads": threads or None}
@@ -183,6 +188,10 @@ def bench(
         kwargs["schemes"] = [s.strip() for s in schemes_.split(",") if s.strip()]
     res = run_bench(**kwargs)
     typer.echo(format_table(res))
+    if regular:  # O(T·C) per level against dense causal attention over the same number of layers
+        res["regular_lm"] = bench_regular_lm(C=regular_c, K=regular_k)
+        atomic_write_json(out, res)
+        typer.echo("\n" + format_regular_lm(res["regular_lm"]))
 
 
 app.add_typer(analyze_cli.app, name="analyze", help="analysis tools: erf, trf, bias, nope-variance, sharpness, all")
