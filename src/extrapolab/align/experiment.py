@@ -65,14 +65,26 @@ class AlignSpec:
     budget: str = ""
 
 
-def load_align_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, AlignSpec]:
+def load_study_preset(name_or_path: str, overrides: list[str] | None, section: str, spec_cls):
+    """(RunConfig, spec) of a study preset: the YAML's ``section`` is the study's dataclass, the rest
+    a run config; ``--set`` overrides apply to both."""
     raw = C.apply_overrides(C.load_preset(name_or_path), overrides or [])
-    spec = C.from_dict(AlignSpec, raw.pop("align", None) or {}, "align")
-    cfg = C.resolve(base=raw)
+    spec = C.from_dict(spec_cls, raw.pop(section, None) or {}, section)
+    return C.resolve(base=raw), spec
+
+
+def sorted_lengths(lengths, train_length: int, section: str) -> list[int]:
+    """The study's L_ex, sorted and unique; each must exceed L_tr (one-line error naming the key)."""
+    out = sorted({int(L) for L in lengths})
+    if not out or min(out) <= train_length:
+        raise UserError(f"{section}.lengths must all exceed model.train_length={train_length}, got {out}")
+    return out
+
+
+def load_align_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, AlignSpec]:
+    cfg, spec = load_study_preset(name_or_path, overrides, "align", AlignSpec)
     L_tr = cfg.model.train_length
-    spec.lengths = sorted({int(L) for L in spec.lengths})
-    if not spec.lengths or min(spec.lengths) <= L_tr:
-        raise UserError(f"align.lengths must all exceed model.train_length={L_tr}, got {spec.lengths}")
+    spec.lengths = sorted_lengths(spec.lengths, L_tr, "align")
     spec.rules = list(dict.fromkeys(canonical_rule(r) for r in spec.rules))
     if spec.task_mix not in (*KINDS, "mix", "none"):
         raise UserError(f"align.task_mix must be one of {', '.join(KINDS)}, mix, none; got {spec.task_mix!r}")

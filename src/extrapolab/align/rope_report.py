@@ -21,7 +21,7 @@ from ..analysis.common import new_figure, save_figure
 from ..analysis.erf import plot_erf
 from ..io import atomic_write_text
 from ..positional.rotary_yarn import yarn_attention_factor
-from ..report.html import img_tag, md_table_to_html, page
+from ..report.html import StudyReport
 from ..report.plots import plot_ppl_vs_length
 
 LABELS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
@@ -133,11 +133,8 @@ def write_rope_report(out: Path, results: dict) -> Path:
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     L_tr, Lmax = results["config"]["model"]["train_length"], results["spec"]["lengths"][-1]
-    sections, md = [], [f"# RoPE context extension vs temperature alignment: {results['config']['name']}\n"]
-
-    def add(title: str, body_md: str, pngs=(), extra_html: str = "") -> None:
-        sections.append((title, md_table_to_html(body_md) + "".join(img_tag(p, Path(p).stem) for p in pngs) + extra_html))
-        md.append(f"## {title}\n\n{body_md}\n" + "".join(f"\n![]({Path(p).relative_to(out)})\n" for p in pngs))
+    report = StudyReport(out, f"RoPE context extension vs temperature alignment: {results['config']['name']}")
+    add = report.add
 
     summary = summary_table(results)
     atomic_write_text(out / "summary.md", summary)
@@ -176,8 +173,4 @@ def write_rope_report(out: Path, results: dict) -> Path:
             f"{html.escape(stage)}). Static methods use s = L_ex / L_tr at each length. Generated "
             f"{dt.datetime.now().isoformat(timespec='seconds')} on {html.escape(platform.platform())}; every number is "
             "in <code>results.json</code>.")
-    md.insert(1, note.replace("<b>", "**").replace("</b>", "**").replace("<code>", "`").replace("</code>", "`") + "\n")
-    atomic_write_text(out / "report.md", "\n".join(md))
-    title = f"RoPE extension vs temperature alignment: {results['config']['name']}"
-    atomic_write_text(out / "report.html", page(title, sections, note))
-    return out / "report.html"
+    return report.write(f"RoPE extension vs temperature alignment: {results['config']['name']}", note)

@@ -40,7 +40,7 @@ from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
 from .algorithm import align, save_temperature
-from .experiment import _sayer, _Stages, rule_taus, train_on_mixture
+from .experiment import _sayer, _Stages, load_study_preset, rule_taus, sorted_lengths, train_on_mixture
 from .retrieval import make_examples, score
 from .rope_report import LABELS, write_rope_report
 
@@ -78,15 +78,11 @@ class RopeSpec:
 
 
 def load_rope_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, RopeSpec]:
-    raw = C.apply_overrides(C.load_preset(name_or_path), overrides or [])
-    spec = C.from_dict(RopeSpec, raw.pop("rope", None) or {}, "rope")
-    cfg = C.resolve(base=raw)
+    cfg, spec = load_study_preset(name_or_path, overrides, "rope", RopeSpec)
     L_tr = cfg.model.train_length
     if cfg.model.scheme != "rotary":
         raise UserError(f"align rope studies a plain rotary run; set model.scheme=rotary (got {cfg.model.scheme!r})")
-    spec.lengths = sorted({int(L) for L in spec.lengths})
-    if not spec.lengths or min(spec.lengths) <= L_tr:
-        raise UserError(f"rope.lengths must all exceed model.train_length={L_tr}, got {spec.lengths}")
+    spec.lengths = sorted_lengths(spec.lengths, L_tr, "rope")
     bad = [m for m in spec.methods if m not in METHODS]
     if bad:
         raise UserError(f"unknown rope.methods {bad}; choose from {', '.join(METHODS)}")

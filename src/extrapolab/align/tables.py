@@ -1,7 +1,7 @@
 """Tables (markdown + CSV), figures and report.html of `extrapolab align experiment`.
 
 Everything is rendered from the ``results`` dict that :mod:`.align_report` also stores as
-``results.json``; the page reuses :mod:`.html` (page, img_tag, md_table_to_html).
+``results.json``; the page is a :class:`..report.html.StudyReport`.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io import atomic_write_text
-from ..report.html import img_tag, md_table_to_html, page
+from ..report.html import StudyReport
 from ..report.plots import plot_ppl_vs_length
 from .plots import align_table, plot_temperature_curves
 from .retrieval import plot_heatmap, retrieval_table
@@ -143,11 +143,8 @@ def write_report(out: Path, results: dict) -> Path:
     figs = out / "figures"
     figs.mkdir(parents=True, exist_ok=True)
     res, L_tr = results["align"], results["config"]["model"]["train_length"]
-    sections, md = [], [f"# Temperature alignment experiment: {results['config']['name']}\n"]
-
-    def add(title: str, body_md: str, pngs=(), extra_html: str = "") -> None:
-        sections.append((title, md_table_to_html(body_md) + "".join(img_tag(p, Path(p).stem) for p in pngs) + extra_html))
-        md.append(f"## {title}\n\n{body_md}\n" + "".join(f"\n![]({Path(p).relative_to(out)})\n" for p in pngs))
+    report = StudyReport(out, f"Temperature alignment experiment: {results['config']['name']}")
+    add = report.add
 
     summary = summary_table(results)
     atomic_write_text(out / "summary.md", summary)
@@ -187,8 +184,4 @@ def write_report(out: Path, results: dict) -> Path:
             f"stages: {html.escape(stage)}). Generated {dt.datetime.now().isoformat(timespec='seconds')} on "
             f"{html.escape(platform.platform())}. τ per length is stored in <code>run/temperature.json</code> "
             "(<code>extrapolab eval RUN --temperature auto</code>); every number is in <code>results.json</code>.")
-    md.insert(1, note.replace("<b>", "**").replace("</b>", "**").replace("<code>", "`").replace("</code>", "`") + "\n")
-    title = f"Softmax-temperature alignment: {results['config']['name']}"
-    atomic_write_text(out / "report.md", "\n".join(md))
-    atomic_write_text(out / "report.html", page(title, sections, note))
-    return out / "report.html"
+    return report.write(f"Softmax-temperature alignment: {results['config']['name']}", note)

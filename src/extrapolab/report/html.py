@@ -5,6 +5,8 @@ import base64
 import html
 from pathlib import Path
 
+from ..io import atomic_write_text
+
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
 h1{font-size:1.6em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.8em}
@@ -56,3 +58,25 @@ def page(title: str, sections: list[tuple[str, str]], note: str = "") -> str:
         body.append(f"<h2>{html.escape(heading)}</h2>\n{content}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+class StudyReport:
+    """report.md and report.html of a study folder built section by section: ``add`` a markdown
+    table (and PNG figures, extra HTML), then ``write`` both files atomically with the header note."""
+
+    def __init__(self, out: Path, heading: str) -> None:
+        self.out = Path(out)
+        self.sections: list[tuple[str, str]] = []
+        self.md = [f"# {heading}\n"]
+
+    def add(self, title: str, body_md: str, pngs=(), extra_html: str = "") -> None:
+        figs = "".join(img_tag(p, Path(p).stem) for p in pngs)
+        self.sections.append((title, md_table_to_html(body_md) + figs + extra_html))
+        self.md.append(f"## {title}\n\n{body_md}\n" + "".join(f"\n![]({Path(p).relative_to(self.out)})\n" for p in pngs))
+
+    def write(self, title: str, note_html: str) -> Path:
+        """Write report.md (the note in markdown under the heading) and report.html; returns the latter."""
+        note_md = note_html.replace("<b>", "**").replace("</b>", "**").replace("<code>", "`").replace("</code>", "`")
+        atomic_write_text(self.out / "report.md", "\n".join([self.md[0], note_md + "\n", *self.md[1:]]))
+        atomic_write_text(self.out / "report.html", page(title, self.sections, note_html))
+        return self.out / "report.html"
