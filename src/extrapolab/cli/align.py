@@ -263,10 +263,13 @@ def rope(
     preset: str = typer.Option("rope-quick", "--preset", "-p", help="rope-smoke (seconds) | rope-quick (CPU) | YAML file"),
     out: Optional[Path] = typer.Option(None, "--out", help="report folder (default out_dir/name, e.g. reports/rope-quick)"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set rope.n=8 (repeatable)"),
+    device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
 ):
     """One rotary run; RoPE vs PI / NTK / dynamic NTK / YaRN / temperature alignment at 2-16x L_tr -> report.html (resumable)."""
     from ..align.rope_study import run_rope_study
+    from ..train.placement import placement_overrides
 
-    res = run_rope_study(preset, out=out, overrides=set_)
+    res = run_rope_study(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
     typer.echo((res["out"] / "summary.md").read_text())
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
