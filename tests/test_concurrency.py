@@ -268,3 +268,51 @@ def test_killed_prepare_leaves_nothing_behind(tmp_path):
     got = prepare(cfg.data, progress=False)
     assert got.num_tokens("train") > 0 and got.path.parent == data
     assert [p.name for p in data.iterdir()] == [got.path.name]  # both temp folders and the lock file gone
+
+
+_ORPHAN_SCRIPT = r"""
+import os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+from extrapolab.sweep.sweep import exit_with_parent
+
+def job(path):
+    open(path, "w").write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx, initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
+        pool.submit(job, sys.argv[1]).result()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_sweep_worker_ends_when_the_sweep_process_is_killed(tmp_path):
+    """A sweep killed with SIGKILL (no chance to stop its pool) leaves no worker training on alone."""
+    script, pid_file = tmp_path / "s.py", tmp_path / "worker.pid"
+    script.write_text(_ORPHAN_SCRIPT)
+    parent = subprocess.Popen([sys.executable, str(script), str(pid_file)])
+    try:
+        t = time.time()
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.time() - t < 60 and parent.poll() is None, "worker never started"
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        assert _alive(worker)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        t = time.time()
+        while _alive(worker) and time.time() - t < 10:
+            time.sleep(0.1)
+        assert not _alive(worker), "the worker outlived its sweep"
+    finally:
+        parent.kill()

@@ -10,6 +10,7 @@ import copy
 import json
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -178,7 +179,8 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
             for group, n_proc in ((head, workers), (last, tail)):
                 if not group:
                     continue
-                with ProcessPoolExecutor(max_workers=n_proc, mp_context=ctx) as pool:
+                with ProcessPoolExecutor(max_workers=n_proc, mp_context=ctx, initializer=exit_with_parent,
+                                         initargs=(os.getpid(),)) as pool:
                     for fut in as_completed([pool.submit(_run_job, job, False) for job in group]):
                         mon.say(fut.result())
         evaluate_models(out, base, spec, db, False)
@@ -204,6 +206,18 @@ def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict,
     res["seconds"] = time.time() - t
     say(f"cost: bench pass done in {res['seconds']:.0f} s")
     return res
+
+
+def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
+    """Worker initializer: end this worker when the sweep process is gone (killed by SIGTERM/SIGKILL,
+    which a process pool does not pass on), so no orphan keeps training and holding a run lock.
+    The run resumes from its last checkpoint when the sweep is started again."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        os._exit(143)  # like SIGTERM: the parent went away
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _run_job(job: tuple, progress: bool) -> str:
