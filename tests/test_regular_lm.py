@@ -31,11 +31,14 @@ def eq61_mask(r: torch.Tensor, C: int, level: int, T: int, window=None) -> torch
 
 def dense_reference(model: RegularLM, idx: torch.Tensor, window=None, tau: float = 1.0) -> torch.Tensor:
     """The same weights, every level's attention through the dense eq. 6.1 mask; position m read
-    out after ceil(log_C (m+1)) levels (at least 1). Returns logits [B, T, V]."""
+    out after ceil(log_C (m+1)) levels (at least 1), or every position after ceil(log_C T) levels
+    with model.depth=sequence. Returns logits [B, T, V]."""
     B, T = idx.shape
     C, r = model.cfg.C, model.scheme.r
     x = model.embed(idx, torch.arange(T))
     depth = [max(1, math.ceil(round(math.log(t, C), 9))) if t > 1 else 1 for t in range(1, T + 1)]
+    if model.cfg.depth == "sequence":
+        depth = [max(depth)] * T
     out = torch.zeros_like(x)
     for level in range(max(depth)):
         mask = eq61_mask(r, C, level, T, window)  # [H, T, T]
@@ -93,6 +96,25 @@ def test_prefix_outputs_equal_full_outputs_across_depths(C, lengths):
     assert float(e.grad[:, 6:].abs().max()) == 0.0 and float(e.grad[:, :6].abs().max()) > 0
 
 
+@pytest.mark.parametrize("C,K,T", [(2, 1, 17), (3, 2, 30), (8, 1, 9)])
+def test_sequence_depth_equals_dense_and_agrees_on_the_last_token(C, K, T):
+    """model.depth=sequence (the thesis' readout): every position after ceil(log_C T) levels; the
+    last position equals the default per-position readout, earlier ones at a smaller depth do not."""
+    seq, pos = make(C, K, depth="sequence"), make(C, K)
+    idx = torch.randint(0, V, (2, T))
+    with torch.no_grad():
+        got = seq(idx)
+        assert torch.allclose(got, dense_reference(seq, idx), atol=1e-10, rtol=1e-9)
+        want = pos(idx)
+        assert torch.allclose(got[:, -1], want[:, -1], atol=1e-12)
+        assert not torch.allclose(got[:, 0], want[:, 0], atol=1e-6)  # position 0: 1 level vs all of them
+        # a prefix run at its own, smaller depth differs from the full input's outputs at the same positions
+        short = next(t for t in range(T, 0, -1) if seq.levels(t) < seq.levels(T))
+        assert not torch.allclose(seq(idx[:, :short]), got[:, :short], atol=1e-6)
+        same = next(t for t in range(1, T + 1) if seq.levels(t) == seq.levels(T))
+        assert torch.allclose(seq(idx[:, :same]), got[:, :same], atol=1e-12)  # same depth: causal
+
+
 @pytest.mark.parametrize("C", [2, 3, 4, 32])
 def test_depth_is_ceil_log_C_T(C):
     m = make(C, 1)
@@ -134,6 +156,7 @@ def test_refusals_are_one_line():
     (["model.arch=regulargpt", "model.K=0"], "model.K >= 1"),
     (["model.arch=transformer"], "model.arch"),
     (["model.arch=regulargpt", "model.scheme=alibi"], "sliding-dilated"),
+    (["model.arch=regulargpt", "model.depth=layer"], "model.depth must be position or sequence"),
 ])
 def test_bad_config_one_line(sets, needle):
     with pytest.raises(ConfigError) as e:

@@ -257,6 +257,8 @@ def validate(cfg: RunConfig) -> None:
     if m.arch == "regulargpt" and (m.C < 2 or m.K < 1):
         raise ConfigError(f"RegularGPT needs model.C >= 2 and model.K >= 1, got C={m.C}, K={m.K}; "
                           "e.g. --set model.C=8 --set model.K=1")
+    if m.depth not in ("position", "sequence"):
+        raise ConfigError(f"model.depth must be position or sequence (RegularGPT's readout), got {m.depth!r}")
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")

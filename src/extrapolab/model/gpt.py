@@ -44,6 +44,10 @@ class ModelConfig:
     arch: str = "gpt"
     C: int = 8  # RegularGPT chunk size (eq. 6.1), >= 2
     K: int = 1  # RegularGPT thickness: sub-layers per level, shared across levels (§6.2.2)
+    #: RegularGPT readout: "position" (position m after its own ceil(log_C (m+1)) levels; causal,
+    #: a prefix gives the same outputs) or "sequence" (every position after ceil(log_C T) levels of
+    #: the whole input, as the thesis' nanoGPT model; training then sees one depth only)
+    depth: str = "position"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -11,12 +11,17 @@ position has read the C^l most recent positions (base-C digits of the distance),
 ceil(log_C T) levels cover a context of T tokens. At T_ex > T_tr the depth grows with the same
 weights; that is where the thesis sees C = 32 explode past C^ceil(log_C 512) = 1,024 tokens.
 
-Depth per position. The prediction at position m has a context of m + 1 tokens and is read out
-after its own ceil(log_C (m+1)) levels (at least 1); every position still runs every level of the
-sequence, so the keys a query reads at level l are the level-l states of earlier positions. For
-the last token this is exactly the thesis' model at depth ceil(log_C T) (last-token perplexity,
-Tables 6.3/6.4), and any prefix of an input gives the same outputs as the whole input (the state
-of position m at level l depends only on tokens <= m), whatever the depth of the whole input.
+Readout depth (``model.depth``). "position" (default): the prediction at position m has a
+context of m + 1 tokens and is read out after its own ceil(log_C (m+1)) levels (at least 1);
+every position still runs every level of the sequence, so the keys a query reads at level l are
+the level-l states of earlier positions. Any prefix of an input then gives the same outputs as the
+whole input (the state of position m at level l depends only on tokens <= m), whatever the depth
+of the whole input, and training reads positions out at every depth up to ceil(log_C L_tr).
+"sequence": every position is read out after ceil(log_C T) levels of the whole input T, as the
+thesis' nanoGPT model ("an adaptive depth log_C T", §6.2.2); training at L_tr then sees that one
+depth only, and an output depends on the input's length through the depth. For the last token
+both are the thesis' model at depth ceil(log_C T) (last-token perplexity, Tables 6.3/6.4); they
+differ in what training asks of the shared layer.
 
 Cost: each level is a causal window of C over every residue class mod C^l, computed in blocks of
 C queries against 2C keys with batched matmuls (no T x T tensor), O(T·C·d) time and memory; the
@@ -111,6 +116,8 @@ class RegularLM(GPT):
     dense_attention = False  # no L x L rows to analyse (analysis.erf.attention_erf reports NaN)
 
     def __init__(self, cfg: ModelConfig) -> None:
+        if cfg.depth not in ("position", "sequence"):
+            raise UserError(f"model.depth must be position or sequence (RegularGPT's readout), got {cfg.depth!r}")
         cfg = replace(cfg, arch="regulargpt", scheme="sliding-dilated", scheme_params={}, layers=cfg.K)
         super().__init__(cfg)  # build_scheme -> SlidingDilated(C, K), raises SchemeError on bad C/K
         depth = cfg.K * num_levels(cfg.train_length, cfg.C)  # sub-layers applied at L_tr
@@ -142,10 +149,11 @@ class RegularLM(GPT):
         for level in range(self.levels(T)):
             for blk in self.blocks:  # the K shared sub-layers, at dilation C^level
                 x = blk(x, level, self.scheme, opts)  # [B, T, D]
-            end = min(T, self.cfg.C ** (level + 1))  # positions whose context fits C^(level+1)
-            pieces.append(x[:, done:end])  # read out after their own last level
-            done = end
-        h = self.ln_f(torch.cat(pieces, dim=1))  # [B, T, D]
+            if self.cfg.depth == "position":  # positions whose context fits C^(level+1) are read out
+                end = min(T, self.cfg.C ** (level + 1))
+                pieces.append(x[:, done:end])  # [B, end - done, D] after their own last level
+                done = end
+        h = self.ln_f(torch.cat(pieces, dim=1) if pieces else x)  # [B, T, D]
         logits = self.head(h)  # [B, T, V]
         return {"logits": logits, "hidden": h} if return_hidden else logits
 
