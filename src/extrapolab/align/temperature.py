@@ -30,7 +30,7 @@ import torch
 
 from ..io import UserError
 from .hf_t5 import T5Target, is_t5
-from ..model.attention import AttnOptions
+from ..model.attention import AttnOptions, layer_temperatures
 
 
 # ---------------------------------------------------------------- per-softmax statistics sink
@@ -107,18 +107,6 @@ class SoftmaxStats:
 
 
 # ---------------------------------------------------------------- our GPT as an alignment target
-def _layer_taus(tau, n: int) -> list[float]:
-    if isinstance(tau, (int, float)):
-        taus = [float(tau)] * n
-    else:
-        taus = [float(t) for t in tau]
-        if len(taus) != n:
-            raise UserError(f"got {len(taus)} per-layer temperatures for a {n}-layer model; give one per layer")
-    if any(not (t > 0 and math.isfinite(t)) for t in taus):
-        raise UserError(f"softmax temperatures must be positive and finite, got {taus}")
-    return taus
-
-
 class GPTTarget:
     """Our ``GPT`` as an alignment target: per-layer temperature and the logits sink are options
     of its attention (``AttnOptions.temperature``, ``AttnOptions.logits_sink``)."""
@@ -135,7 +123,7 @@ class GPTTarget:
         """Within the block the model's default attention options carry each layer's tau (an
         inner scope wins over an outer one); with a ``sink``, every layer's tau = 1 logits reach
         it from the reference attention path, ``block_size`` query rows at a time."""
-        taus = _layer_taus(tau, self.num_layers)
+        taus = layer_temperatures(tau, self.num_layers)
         kw: dict = {"temperature": tuple(taus), "logits_sink": None}
         if sink is not None:
             kw.update(logits_sink=lambda layer, lg, keys: sink.add(layer, lg, grid=keys),

@@ -21,7 +21,7 @@ import torch
 
 from ..eval.core import model_device
 from ..io import UserError
-from ..model.attention import AttnOptions
+from ..model.attention import AttnOptions, temperature_record
 from .attn import attention_rows, capture_qkv, iter_row_blocks
 from .common import as_segments, new_figure, save_figure
 
@@ -98,7 +98,8 @@ def attention_sharpness(
                       "log_L": float(np.log(L))}
     finally:
         model.train(was_training)
-    return {"lengths": lengths, "queries": queries, "temperature": float(opts.temperature), "per_length": out}
+    return {"lengths": lengths, "queries": queries, "temperature": temperature_record(opts.temperature),
+            "per_length": out}
 
 
 def sharpness_table(res: dict) -> str:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 from torch import nn
 
 from ..config import PROTOCOLS, check_protocols  # noqa: F401 (re-exported by eval/)
 from ..io import UserError
-from ..model.attention import AttnOptions
+from ..model.attention import AttnOptions, temperature_record
 from ..positional.base import SchemeError
 from .cached import cached_window_ppl, recomputed_window_ppl
 from .core import as_tokens, check_length, check_vocab, resolve_opts
@@ -73,7 +73,7 @@ def evaluate(
     cache_window: int = 0,
     delta: float = 0.1,
     batch_size: int = 4,
-    temperature: float = 1.0,
+    temperature: float | Sequence[float] = 1.0,
     opts: AttnOptions | None = None,
     progress: bool = False,
 ) -> dict:
@@ -88,7 +88,9 @@ def evaluate(
     m = check_length(train_length, "train_length")
     protos = check_protocols(protocols)
     Ls = sorted({check_length(x) for x in lengths} | {m})
-    opts = resolve_opts(opts, temperature=None if temperature == 1.0 else float(temperature))
+    opts = resolve_opts(opts, temperature=None if temperature == 1.0 else temperature_record(temperature))
+    if hasattr(model, "check_opts"):  # a per-layer temperature that does not fit fails once, here
+        model.check_opts(opts)
     stride = int(sliding_stride) or max(1, m // 2)
     window = int(cache_window) or 2 * m
     pos_len = int(position_length) or Ls[-1]
@@ -98,7 +100,7 @@ def evaluate(
         "num_tokens": int(num_tokens), "sliding_stride": stride, "last_token_n": int(last_token_n),
         "position_length": pos_len, "position_segments": int(position_segments),
         "cache_window": window, "cache_tokens": cache_tokens, "delta": float(delta),
-        "batch_size": int(batch_size), "temperature": float(opts.temperature),
+        "batch_size": int(batch_size), "temperature": temperature_record(opts.temperature),
         "stream_tokens": int(len(tok))}, "seconds": {}}
     for p in protos:
         t0 = time.perf_counter()

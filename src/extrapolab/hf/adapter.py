@@ -10,7 +10,8 @@ parameters; :class:`HFCausalLM` answers exactly that, so the protocols run uncha
   L past its table with one line; RoPE and ALiBi models take any L. HF MPT builds its ALiBi
   tensor for ``config.max_seq_len`` keys, so that is raised to L first (ALiBi is a function of
   the distance only; nothing learned depends on it);
-* ``opts.temperature`` runs the forward inside :func:`hf.temperature.hf_temperature`;
+* ``opts.temperature`` (one tau, or one per layer) runs the forward inside
+  :func:`hf.temperature.hf_temperature`;
 * ``opts.window`` (the windowed@L_tr reference of E4) has no equivalent in an HF model without an
   L x L mask, so it is refused with one line; ``opts.impl`` / block sizes are ours and ignored
   (the HF model's own ``attn_implementation`` decides how its attention runs).
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ..io import UserError
+from ..model.attention import temperature_record
 from .load import HFModel, load_hf
 from .temperature import hf_temperature
 
@@ -67,7 +69,7 @@ class HFCausalLM(nn.Module):
             if getattr(opts, "window", None):
                 raise UserError("windowed attention (the windowed@L_tr reference) is not available for HF "
                                 "models; evaluate the position-wise curve without it")
-            tau = float(getattr(opts, "temperature", 1.0) or 1.0)
+            tau = temperature_record(getattr(opts, "temperature", 1.0) or 1.0)
         scope = hf_temperature(self, tau) if tau != 1.0 else nullcontext()
         with scope:
             if inputs_embeds is not None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..eval import evaluate_config, positionwise
 from ..io import UserError
-from ..model.attention import AttnOptions
+from ..model.attention import AttnOptions, temperature_record
 
 PROTOCOLS = ("nonoverlapping", "sliding", "last_token", "positionwise")
 
@@ -55,13 +55,13 @@ def evaluate_hf(model, tokens, ecfg, train_length: int, progress: bool = False) 
     else:  # position-wise only: the same layout without per-length tables
         res = {"train_length": int(train_length), "lengths": sorted({*map(int, ecfg.lengths), int(train_length)}),
                "settings": {"position_segments": int(ecfg.position_segments), "batch_size": int(ecfg.batch_size),
-                            "temperature": float(ecfg.temperature), "stream_tokens": int(len(tokens))},
+                            "temperature": temperature_record(ecfg.temperature), "stream_tokens": int(len(tokens))},
                "seconds": {}, "ppl": {}, "verdict": {}}
     if "positionwise" in protos:
         t0 = time.perf_counter()
         L = int(ecfg.position_length) or max(res["lengths"])
         try:
-            opts = AttnOptions(temperature=float(ecfg.temperature))
+            opts = AttnOptions(temperature=temperature_record(ecfg.temperature))
             pw = positionwise(model, tokens, L, n_segments=ecfg.position_segments, batch_size=ecfg.batch_size,
                               opts=opts, progress=progress)
             res["positionwise"] = {"length": L, "segments": pw["segments"], "nll": _finite(pw["nll"]),

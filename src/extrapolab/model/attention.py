@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Real
 from typing import Sequence
 
 import torch
@@ -46,6 +47,25 @@ def flush_denormals(enable: bool = True) -> bool:
     return bool(torch.set_flush_denormal(enable))
 
 
+def layer_temperatures(tau: float | Sequence[float], n: int, what: str = "") -> list[float]:
+    """One softmax temperature per layer of ``n``: a single tau repeated, or a sequence of exactly n,
+    each positive and finite; otherwise a one-line UserError. ``what`` names the n layers in it
+    (default "a {n}-layer model"). The one place a temperature becomes its per-layer list: our GPT
+    and RegularGPT, the alignment targets and the Hugging Face temperature hooks (hf/hooks.py) call it."""
+    taus = [float(tau)] * n if isinstance(tau, Real) else [float(t) for t in tau]
+    if len(taus) != n:
+        raise UserError(f"got {len(taus)} per-layer temperatures for {what or f'a {n}-layer model'}; "
+                        "give one per layer or a single float")
+    if any(not (t > 0 and math.isfinite(t)) for t in taus):
+        raise UserError(f"softmax temperatures must be positive and finite, got {taus}")
+    return taus
+
+
+def temperature_record(tau: float | Sequence[float]) -> float | list[float]:
+    """The temperature as results record it (JSON-safe): a float, or the list of per-layer floats."""
+    return float(tau) if isinstance(tau, Real) else [float(t) for t in tau]
+
+
 @dataclass
 class AttnOptions:
     impl: str = "auto"  # auto | sdpa | plain | blocked | flex (see select_path)
@@ -62,12 +82,19 @@ class AttnOptions:
     def tau(self, layer: int) -> float:
         """The temperature of layer ``layer``."""
         t = self.temperature
-        if isinstance(t, (int, float)):
+        if isinstance(t, Real):
             return float(t)
         if not 0 <= layer < len(t):
             raise UserError(f"AttnOptions.temperature has {len(t)} per-layer values but layer {layer} "
                             "attends; give one temperature per layer or a single float")
         return float(t[layer])
+
+    def check_layers(self, n: int, what: str = "") -> None:
+        """A one-line UserError unless the temperature fits a model of ``n`` layers (see
+        :func:`layer_temperatures`); models call it once per forward, so a per-layer list that is
+        too long is refused rather than its tail ignored."""
+        if not isinstance(self.temperature, Real) or self.temperature != 1.0:
+            layer_temperatures(self.temperature, n, what)
 
 
 def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:

@@ -242,6 +242,7 @@ class GPT(nn.Module):
             positions = torch.arange(L, device=dev)
         self.scheme.check_length(int(positions.max()) + 1 if positions.numel() else 0)
         opts = opts or self.attn_opts
+        self.check_opts(opts)
         if return_probs:
             opts = AttnOptions(**{**opts.__dict__, "need_probs": True})
         x = self.embed(idx, positions) if inputs_embeds is None else inputs_embeds
@@ -267,6 +268,11 @@ class GPT(nn.Module):
         if return_hidden:
             out["hidden"] = h
         return out
+
+    def check_opts(self, opts: AttnOptions) -> None:
+        """A one-line UserError unless ``opts`` fit this model: a per-layer temperature has one tau
+        per block (evaluation calls it once up front, so a bad list fails before any length runs)."""
+        opts.check_layers(len(self.blocks))
 
     def _too_big(self, L: int, opts: AttnOptions) -> bool:
         return opts.impl == "auto" and self.cfg.heads * L * L * 4 / 2**20 > opts.memory_budget_mb \

@@ -46,11 +46,12 @@ from .gpt import GPT, Block, ModelConfig
 
 
 def sliding_dilated_attention(q, k, v, scheme: SlidingDilated, level: int,
-                              opts: AttnOptions | None = None) -> torch.Tensor:
+                              opts: AttnOptions | None = None, sublayer: int = 0) -> torch.Tensor:
     """Eq. 6.1 at ``level`` for every query: q, k, v [B, T, H, Dh] -> [B, T, H, Dh].
 
     Same order as ``model.attention.attend``: q·k / sqrt(Dh) + r_j, window mask, then the
-    temperature divides the whole logit, softmax over the (at most C) keys of each query.
+    temperature of shared sub-layer ``sublayer`` (``opts.tau(sublayer)``, see :class:`RegularLM`)
+    divides the whole logit, softmax over the (at most C) keys of each query.
     Layout: with s = C^l, position m = a·s + b reads (a - j)·s + b, j < W = min(C, ceil(T/s)):
     a causal window of W over each residue class b. Each class is cut into blocks of W queries
     that read their own and the previous block (2W keys, batched matmuls): O(T·W·d), no T x T.
@@ -85,8 +86,9 @@ def sliding_dilated_attention(q, k, v, scheme: SlidingDilated, level: int,
     bias = scheme.r[:, j.clamp(0, W - 1)].to(sc.dtype)  # [H, W, 2W] r_j
     bias = bias[:, None].masked_fill(~ok[None], -math.inf)  # [H, nb, W, 2W]
     sc = sc + bias
-    if float(opts.temperature) != 1.0:
-        sc = sc / float(opts.temperature)
+    tau = opts.tau(sublayer)
+    if tau != 1.0:
+        sc = sc / tau
     p = torch.softmax(sc if sc.dtype == torch.float64 else sc.float(), dim=-1).to(v.dtype)  # [B,s,H,nb,W,2W]
     out = torch.matmul(p, with_previous(blocks(v)))  # [B, s, H, nb, W, Dh]
     out = out.reshape(B, s, H, nb * W, Dh)[:, :, :, :n]  # [B, s, H, n, Dh]
@@ -100,7 +102,7 @@ class SlidingBlock(Block):
         B, T, D = x.shape
         qkv = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads)  # [B, T, 3, H, Dh]
         q, k, v = qkv.unbind(2)  # each [B, T, H, Dh]
-        out = sliding_dilated_attention(q, k, v, scheme, level, opts)  # [B, T, H, Dh]
+        out = sliding_dilated_attention(q, k, v, scheme, level, opts, self.index)  # [B, T, H, Dh]
         x = x + self.drop(self.proj(out.reshape(B, T, D)))  # [B, T, D]
         return x + self.drop(self.mlp(self.ln2(x)))
 
@@ -110,6 +112,12 @@ class RegularLM(GPT):
 
     ``blocks`` holds the K shared sub-layers; ``cfg.layers`` is K. Same call as ``GPT``:
     ``model(idx, positions=None, inputs_embeds=..., opts=...)`` -> logits [B, T, V].
+
+    A per-layer ``opts.temperature`` has one tau per *shared sub-layer* k (K values, like
+    ``len(model.blocks)``, the layer count alignment targets see), and sub-layer k divides its logits
+    by tau_k at every level. Layers are indexed by weights, not by depth, because the depth
+    K·ceil(log_C T) changes with the input length while the weights, and so the softmax statistics
+    Algorithm 1 aligns per layer, belong to the K sub-layers. Another length is a one-line error.
     """
 
     block_cls = SlidingBlock
@@ -123,6 +131,11 @@ class RegularLM(GPT):
         depth = cfg.K * num_levels(cfg.train_length, cfg.C)  # sub-layers applied at L_tr
         for b in self.blocks:  # GPT-2 scaled init over the depth actually stacked in training
             torch.nn.init.normal_(b.proj.weight, std=cfg.init_std / math.sqrt(2 * depth))
+
+    def check_opts(self, opts: AttnOptions) -> None:
+        """A per-layer temperature has one tau per shared sub-layer (class doc), else one line."""
+        opts.check_layers(len(self.blocks), f"RegularGPT's K={len(self.blocks)} shared sub-layers "
+                          "(one tau per sub-layer, used at every level)")
 
     def levels(self, length: int) -> int:
         """Levels run for an input of ``length`` tokens: ceil(log_C T), at least 1."""
@@ -144,6 +157,7 @@ class RegularLM(GPT):
             raise UserError("RegularGPT reads positions 0..T-1 of its input only (its depth follows each "
                             "position's context); pass positions=None")
         opts = opts or self.attn_opts
+        self.check_opts(opts)
         x = self.drop(self.embed(idx, pos) if inputs_embeds is None else inputs_embeds)  # [B, T, D]
         pieces, done = [], 0
         for level in range(self.levels(T)):
