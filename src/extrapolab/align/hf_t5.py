@@ -5,6 +5,9 @@ HF T5Attention (transformers 5.x) computes scores = (q·k^T)·scaling + position
 relative-bias table and every later layer reuses the ``position_bias`` it returns. The hook here
 makes the softmax see scores / tau, the same Softmax_tau(l) as ``AttnOptions(temperature=tau)``:
 
+The hook and scope mechanics (handles removed on exit, the position_bias pre-hook, the alignment
+target's probability grab) are shared with the causal LMs' adapter in ``hf/hooks.py``:
+
 * a forward hook on each attention's ``q`` projection divides q by tau (so q·k^T / tau);
 * the first layer's ``relative_attention_bias`` embedding output is divided by its tau;
 * a pre-hook divides an incoming shared ``position_bias`` by this layer's tau, and a post-hook
@@ -23,7 +26,9 @@ from typing import Sequence
 
 import torch
 
+from ..hf.hooks import ProbsTarget, divide_kwarg, hook_handles
 from ..io import UserError
+from ..model.attention import layer_temperatures
 
 PARTS = ("encoder", "decoder", "cross")
 
@@ -73,31 +78,16 @@ def attention_modules(model, part: str = "encoder") -> list:
     return out
 
 
-def _taus(tau, n: int) -> list[float]:
-    taus = [float(tau)] * n if isinstance(tau, (int, float)) else [float(t) for t in tau]
-    if len(taus) != n:
-        raise UserError(f"got {len(taus)} per-layer temperatures for {n} T5 layers; give one per layer")
-    if any(not t > 0 for t in taus):
-        raise UserError(f"softmax temperatures must be positive, got {taus}")
-    return taus
-
-
 def _hook(attn, tau: float) -> list:
     handles = [attn.q.register_forward_hook(lambda m, i, o: o / tau)]  # q [B, L, H·D] / tau
     if attn.has_relative_attention_bias:
         handles.append(attn.relative_attention_bias.register_forward_hook(lambda m, i, o: o / tau))
 
-    def pre(module, args, kwargs):
-        pb = kwargs.get("position_bias")
-        if pb is not None:
-            kwargs = {**kwargs, "position_bias": pb / tau}  # [1|B, H, Lq, Lk]
-        return args, kwargs
-
     def post(module, args, kwargs, output):
         out, pb, w = output
         return out, (pb * tau if pb is not None else None), w  # next layer gets the undivided bias
 
-    handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
+    handles.append(divide_kwarg(attn, "position_bias", tau))  # [1|B, H, Lq, Lk] / tau
     handles.append(attn.register_forward_hook(post, with_kwargs=True))
     return handles
 
@@ -105,51 +95,39 @@ def _hook(attn, tau: float) -> list:
 @contextmanager
 def t5_temperature(model, tau: float | Sequence[float] = 1.0, parts: Sequence[str] = ("encoder",)):
     """Within the block, every softmax of ``parts`` uses scores / tau (tau per layer if a sequence)."""
-    handles = []
-    try:
+    with hook_handles() as handles:
         for part in parts:
             mods = attention_modules(model, part)
-            for attn, t in zip(mods, _taus(tau, len(mods))):
+            for attn, t in zip(mods, layer_temperatures(tau, len(mods), f"{len(mods)} T5 {part} layers")):
                 if t != 1.0:
                     handles += _hook(attn, t)
         yield model
-    finally:
-        for h in handles:
-            h.remove()
 
 
-class T5Target:
+class T5Target(ProbsTarget):
     """Alignment target (see align.temperature.as_target): Algorithm 1 over the T5 *encoder* softmaxes.
 
     Statistics come from the attention probabilities p of each encoder layer; the sink gets
     tau·log p, which is l/tau·tau = l up to a per-row constant (softmax(log p) re-temperatures
-    exactly, see align.py). Padding keys (p = 0) become -inf and are not counted.
+    exactly, see hf/hooks.py). Padding keys (p = 0) become -inf and are not counted.
     """
+
+    no_probs = ("T5 attention returned no probabilities; load it with attn_implementation='eager' "
+                "(align.hf_t5.load_t5 does)")
 
     def __init__(self, model, part: str = "encoder") -> None:
         self.model = model
         self.part = part
-        self.num_layers = len(attention_modules(model, part))
+        self.num_layers = len(self.modules())
 
-    @contextmanager
-    def scope(self, tau=1.0, sink=None):
-        taus = _taus(tau, self.num_layers)
-        handles = []
-        if sink is not None:
-            for i, attn in enumerate(attention_modules(self.model, self.part)):
-                def grab(m, a, out, i=i):
-                    w = out[2]  # [B, H, Lq, Lk] probabilities at this layer's tau
-                    if w is None:
-                        raise UserError("T5 attention returned no probabilities; load it with "
-                                        "attn_implementation='eager' (align.hf_t5.load_t5 does)")
-                    sink.add(i, taus[i] * torch.log(w.float()))
-                handles.append(attn.register_forward_hook(grab))
-        try:
-            with t5_temperature(self.model, taus, parts=(self.part,)):
-                yield self
-        finally:
-            for h in handles:
-                h.remove()
+    def modules(self) -> list:
+        return attention_modules(self.model, self.part)
+
+    def probs(self, output):
+        return output[2]  # [B, H, Lq, Lk] probabilities at this layer's tau
+
+    def temperature(self, taus):
+        return t5_temperature(self.model, taus, parts=(self.part,))
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):

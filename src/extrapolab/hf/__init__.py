@@ -3,7 +3,8 @@
 :mod:`.load` loads model + tokenizer (``local_files_only``; ``--rope`` overrides through HF's own
 rope-scaling config); :mod:`.adapter` gives the E1-E4 protocols the call they make on our GPT;
 :mod:`.temperature` per-layer softmax temperature through each family's attention module and the
-Algorithm 1 target; :mod:`.data` our corpora in the model's tokenizer; :mod:`.erf` the ERF through
+Algorithm 1 target; :mod:`.hooks` the hook and probability-scope mechanics it shares with the T5
+adapter (align/hf_t5.py); :mod:`.data` our corpora in the model's tokenizer; :mod:`.erf` the ERF through
 the real input embeddings; :mod:`.evaluate` E1-E4 -> eval.json.
 """
 from .adapter import HFCausalLM, open_hf

@@ -19,21 +19,21 @@ The causal mask (dtype-min or -inf) is left alone: masked keys get probability 0
 Falcon (ALiBi folded into the sdpa mask and the eager logit in two different ways) and other
 families are refused with one line rather than guessed.
 
-:class:`HFTarget` is the alignment target of Algorithm 1 (see ``align.temperature.as_target``):
-statistics come from each layer's attention probabilities p, returned by eager attention
-(``attn_implementation="eager"``, which materialises [B, H, L, L] per layer: O(L²) memory, fine
-at alignment lengths), and the sink gets tau·log p = l + (per-row constant), which softmax
-re-temperatures exactly as l (probabilities that underflow to 0 count as masked keys).
+:class:`HFTarget` is the alignment target of Algorithm 1 (see ``align.temperature.as_target``;
+the hook and scope mechanics are :mod:`.hooks`, shared with T5): statistics come from each
+layer's attention probabilities p, returned by eager attention (``attn_implementation="eager"``,
+which materialises [B, H, L, L] per layer: O(L²) memory, fine at alignment lengths).
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Sequence
 
 import torch
 
 from ..io import UserError
+from ..model.attention import layer_temperatures
+from .hooks import ProbsTarget, divide_kwarg, hook_handles
 
 #: model_type -> how tau enters its attention (see module doc)
 KINDS = {"gpt2": "scaling", "gpt_neox": "scaling", "llama": "scaling", "mistral": "scaling",
@@ -62,69 +62,46 @@ def attention_modules(model) -> tuple[str, list]:
     return kind, mods
 
 
-def layer_taus(tau, n: int) -> list[float]:
-    taus = [float(tau)] * n if isinstance(tau, (int, float)) else [float(t) for t in tau]
-    if len(taus) != n:
-        raise UserError(f"got {len(taus)} per-layer temperatures for a {n}-layer model; give one per layer")
-    if any(not (t > 0 and math.isfinite(t)) for t in taus):
-        raise UserError(f"softmax temperatures must be positive and finite, got {taus}")
-    return taus
-
-
 @contextmanager
 def hf_temperature(model, tau: float | Sequence[float] = 1.0):
     """Within the block every layer's softmax uses logits / tau (one tau, or one per layer)."""
     kind, mods = attention_modules(model)
-    taus = layer_taus(tau, len(mods))
-    saved, handles = [], []
+    taus = layer_temperatures(tau, len(mods))
+    saved = []
     try:
-        for m, t in zip(mods, taus):
-            if t == 1.0:
-                continue
-            for a in _ATTRS[kind]:
-                saved.append((m, a, getattr(m, a)))
-                setattr(m, a, getattr(m, a) / t)
-            if kind == "mpt":
-                def pre(module, args, kwargs, t=t):
-                    pb = kwargs.get("position_bias")
-                    if pb is not None:
-                        kwargs = {**kwargs, "position_bias": pb / t}  # [H, 1, Lk] ALiBi / tau
-                    return args, kwargs
-                handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        yield model
+        with hook_handles() as handles:
+            for m, t in zip(mods, taus):
+                if t == 1.0:
+                    continue
+                for a in _ATTRS[kind]:
+                    saved.append((m, a, getattr(m, a)))
+                    setattr(m, a, getattr(m, a) / t)
+                if kind == "mpt":  # its layers share one ALiBi position_bias [H, 1, Lk]
+                    handles.append(divide_kwarg(m, "position_bias", t))
+            yield model
     finally:
-        for h in handles:
-            h.remove()
         for m, a, v in reversed(saved):
             setattr(m, a, v)
 
 
-class HFTarget:
+class HFTarget(ProbsTarget):
     """Algorithm 1 target over an HF causal LM (wrapped by ``hf.adapter.HFCausalLM``)."""
+
+    no_probs = ("the attention returned no probabilities; load the model with "
+                "attn_implementation='eager' (load_hf(..., attn='eager'))")
 
     def __init__(self, model) -> None:
         self.model = model
-        self.num_layers = len(attention_modules(model)[1])
+        self.num_layers = len(self.modules())
 
-    @contextmanager
-    def scope(self, tau=1.0, sink=None):
-        taus = layer_taus(tau, self.num_layers)
-        handles = []
-        if sink is not None:
-            for i, attn in enumerate(attention_modules(self.model)[1]):
-                def grab(m, a, out, i=i):
-                    w = out[1] if isinstance(out, tuple) and len(out) > 1 else None  # [B, H, Lq, Lk]
-                    if w is None:
-                        raise UserError("the attention returned no probabilities; load the model with "
-                                        "attn_implementation='eager' (load_hf(..., attn='eager'))")
-                    sink.add(i, taus[i] * torch.log(w.float()))
-                handles.append(attn.register_forward_hook(grab))
-        try:
-            with hf_temperature(self.model, taus):
-                yield self
-        finally:
-            for h in handles:
-                h.remove()
+    def modules(self) -> list:
+        return attention_modules(self.model)[1]
+
+    def probs(self, output):
+        return output[1] if isinstance(output, tuple) and len(output) > 1 else None  # [B, H, Lq, Lk]
+
+    def temperature(self, taus):
+        return hf_temperature(self.model, taus)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor):
