@@ -29,10 +29,11 @@ def eq61_mask(r: torch.Tensor, C: int, level: int, T: int, window=None) -> torch
     return r[:, j.clamp(0, C - 1)].masked_fill(~ok, -math.inf)
 
 
-def dense_reference(model: RegularLM, idx: torch.Tensor, window=None, tau: float = 1.0) -> torch.Tensor:
+def dense_reference(model: RegularLM, idx: torch.Tensor, window=None, tau=1.0) -> torch.Tensor:
     """The same weights, every level's attention through the dense eq. 6.1 mask; position m read
     out after ceil(log_C (m+1)) levels (at least 1), or every position after ceil(log_C T) levels
-    with model.depth=sequence. Returns logits [B, T, V]."""
+    with model.depth=sequence; ``tau`` one temperature or a list, tau[k] for shared sub-layer k at
+    every level (RegularLM's doc). Returns logits [B, T, V]."""
     B, T = idx.shape
     C, r = model.cfg.C, model.scheme.r
     x = model.embed(idx, torch.arange(T))
@@ -42,10 +43,11 @@ def dense_reference(model: RegularLM, idx: torch.Tensor, window=None, tau: float
     out = torch.zeros_like(x)
     for level in range(max(depth)):
         mask = eq61_mask(r, C, level, T, window)  # [H, T, T]
-        for blk in model.blocks:
+        for kk, blk in enumerate(model.blocks):
             D = x.shape[-1]
+            t = tau[kk] if isinstance(tau, list) else tau
             q, k, v = blk.qkv(blk.ln1(x)).view(B, T, 3, blk.heads, -1).permute(2, 0, 3, 1, 4)  # [B, H, T, Dh]
-            s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask) / tau  # [B, H, T, T]
+            s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask) / t  # [B, H, T, T]
             a = torch.softmax(s, -1) @ v  # [B, H, T, Dh]
             x = x + blk.proj(a.transpose(1, 2).reshape(B, T, D))
             x = x + blk.mlp(blk.ln2(x))
@@ -78,6 +80,25 @@ def test_window_and_temperature_match_dense():
         got = m(idx, opts=AttnOptions(window=10, temperature=0.7))
         want = dense_reference(m, idx, window=10, tau=0.7)
     assert torch.allclose(got, want, atol=1e-10)
+
+
+@pytest.mark.parametrize("depth", ["position", "sequence"])
+def test_per_layer_temperature_is_per_shared_sublayer(depth):
+    """One tau per shared sub-layer, used at every level: equal taus == the scalar exactly, mixed
+    taus == the dense eq. 6.1 reference with tau[k] in sub-layer k, wrong length -> one line."""
+    m = make(3, 2, depth=depth)
+    idx = torch.randint(0, V, (2, 30))  # 4 levels of 2 sub-layers: 8 applied, 2 per-layer values
+    with torch.no_grad():
+        scalar = m(idx, opts=AttnOptions(temperature=0.7))
+        assert torch.equal(m(idx, opts=AttnOptions(temperature=(0.7, 0.7))), scalar)
+        mixed = m(idx, opts=AttnOptions(temperature=[0.6, 1.5]))
+        want = dense_reference(m, idx, tau=[0.6, 1.5])
+    assert torch.allclose(mixed, want, atol=1e-10)
+    assert not torch.allclose(mixed, scalar, atol=1e-4)
+    for taus in ([0.7], [0.7] * 3, [0.7] * m.levels(30) * 2):  # short, long, one per applied sub-layer
+        with pytest.raises(UserError) as e:
+            m(idx, opts=AttnOptions(temperature=taus))
+        assert "\n" not in str(e.value) and "K=2 shared sub-layers" in str(e.value)
 
 
 @pytest.mark.parametrize("C,lengths", [(2, (7, 9, 17, 33)), (3, (8, 10, 28, 82))])
