@@ -132,7 +132,7 @@ def test_per_layer_temperature_equals_each_layer_scaled_by_hand(scheme):
             qr, kr = m.scheme.rotate(q, k, pos, pos)
             want = torch.softmax(_by_hand(qr, kr, m.scheme, pos, pos, layer=layer) / taus[layer], -1) @ v
             assert (out - want).abs().max() < 1e-5, (scheme, layer)
-    with pytest.raises(UserError, match="one temperature per layer"):
+    with pytest.raises(UserError, match="2 per-layer temperatures for a 3-layer model; give one per layer"):
         m(idx, opts=AttnOptions(temperature=(0.5, 1.0)))
 
 

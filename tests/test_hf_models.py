@@ -226,3 +226,23 @@ def test_evaluate_hf_positionwise_only_and_unsupported_protocols(folders):
     assert np.allclose(res["positionwise"]["nll"], want) and res["positionwise"]["window"] is None
     with pytest.raises(UserError, match="not available for HF"):
         evaluate_hf(m, tok, EvalConfig(protocols=["cached"]), MAXPOS)
+
+
+def test_adapter_takes_a_per_layer_temperature(folders):
+    """opts.temperature as one tau per layer reaches the HF model (it used to be float()-ed):
+    the same tau in every layer == the scalar, a per-layer list == hf_temperature with that list."""
+    from extrapolab.model.attention import AttnOptions
+
+    m = _load(folders, "llama")
+    ids = torch.from_numpy(_stream(m)[:40])[None]
+    n = len(attention_modules(m)[1])
+    taus = [0.5 + 0.5 * i for i in range(n)]
+    with torch.no_grad():
+        scalar = m(ids, opts=AttnOptions(temperature=0.5))
+        assert torch.equal(m(ids, opts=AttnOptions(temperature=(0.5,) * n)), scalar)
+        with hf_temperature(m, taus):
+            want = m(ids)
+        assert torch.equal(m(ids, opts=AttnOptions(temperature=taus)), want)
+        assert not torch.allclose(want, scalar, atol=1e-4)
+    with pytest.raises(UserError, match=f"{n + 1} per-layer temperatures"):
+        m(ids, opts=AttnOptions(temperature=[0.5] * (n + 1)))
