@@ -109,3 +109,22 @@ def test_load_errors(tmp_path):
         H.load_t5(tmp_path)
     with pytest.raises(UserError, match="no decoder"):
         H.attention_modules(torch.nn.Module(), "decoder")
+
+
+def test_t5_shares_the_hf_hook_mechanics(t5_dir):
+    """T5Target is the same ProbsTarget as the causal LMs' HFTarget (hf/hooks.py) and its tau list
+    comes from the one per-layer helper: wrong length or a non-finite tau is one line, hooks gone."""
+    from extrapolab.hf import HFTarget
+    from extrapolab.hf.hooks import ProbsTarget
+
+    assert issubclass(H.T5Target, ProbsTarget) and issubclass(HFTarget, ProbsTarget)
+    model = H.load_t5(t5_dir)
+    target = H.T5Target(model)
+    for bad, needle in (([0.5, 1.0], "2 per-layer temperatures for 3 T5 encoder layers"),
+                        ([1.0, float("inf"), 1.0], "positive and finite")):
+        with pytest.raises(UserError) as e:
+            with target.scope(bad):
+                pass
+        assert "\n" not in str(e.value) and needle in str(e.value)
+    mods = H.attention_modules(model, "encoder")
+    assert not any(a._forward_hooks or a._forward_pre_hooks or a.q._forward_hooks for a in mods)

@@ -119,6 +119,7 @@ class T5Target(ProbsTarget):
         self.model = model
         self.part = part
         self.num_layers = len(self.modules())
+        self.what = f"{self.num_layers} T5 {part} layers"
 
     def modules(self) -> list:
         return attention_modules(self.model, self.part)

@@ -55,12 +55,13 @@ class ProbsTarget:
     A subclass sets ``model`` and ``num_layers`` and gives :meth:`modules` (the attention modules
     in layer order), :meth:`probs` (p [B, H, Lq, Lk] from a module's output, or None),
     :meth:`temperature` (its per-layer temperature scope) and ``no_probs`` (the one-line fix when
-    the attention returned no probabilities), plus ``forward``.
+    the attention returned no probabilities), plus ``forward``; ``what`` names its layers in errors.
     """
 
     model: torch.nn.Module
     num_layers: int
     no_probs: str
+    what = ""  # default: "a {n}-layer model"
 
     def modules(self) -> list:
         raise NotImplementedError
@@ -75,7 +76,7 @@ class ProbsTarget:
     def scope(self, tau=1.0, sink=None):
         """Within the block every layer runs at its tau; with a ``sink``, layer i's tau·log p goes
         to ``sink.add(i, ...)`` on every forward."""
-        taus = layer_temperatures(tau, self.num_layers)
+        taus = layer_temperatures(tau, self.num_layers, self.what)
         with hook_handles() as handles:
             if sink is not None:
                 for i, attn in enumerate(self.modules()):
