@@ -113,6 +113,18 @@ def test_missing_and_corrupt_tarballs_name_the_fix(tmp_path, monkeypatch):
         C.read_corpus(f"linux:{bad}")
 
 
+@pytest.mark.parametrize("keep", [0.25, 0.5, 0.75, -1])
+def test_truncated_download_is_refused_not_read_as_a_smaller_corpus(tarball, tmp_path, keep):
+    """A cut .tar.xz (a download that stopped) is one line naming the fix at any cut point, also
+    where tar's reader alone would stop quietly at a member header or miss only the xz footer."""
+    data = tarball[0].read_bytes()
+    cut = tmp_path / "linux-source-6.1.tar.xz"
+    cut.write_bytes(data[:int(len(data) * keep)] if keep > 0 else data[:keep])
+    with pytest.raises(UserError) as e:
+        LX.linux_corpus(tarball=cut)
+    assert "\n" not in str(e.value) and "truncated or corrupt" in str(e.value) and "make corpus-linux" in str(e.value)
+
+
 def test_installed_tarball_is_the_newest_version(tmp_path, monkeypatch):
     for v in ("6.1", "6.12", "6.9"):
         _tarball(tmp_path / f"linux-source-{v}.tar.xz", {"a.c": f"int v = {len(v)};\n".encode()}, top=f"linux-source-{v}")

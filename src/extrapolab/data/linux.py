@@ -17,14 +17,22 @@ generated ``#define`` tables, 0.4 GB) and any file over ``MAX_FILE_BYTES`` (gene
 firmware arrays), empty files. With ``max_bytes`` the documents are taken in split-hash order, as
 for folder corpora, so the sample is spread over the whole tree; the archive is streamed once and
 at most about ``max_bytes`` of text is held in memory.
+
+A damaged archive is a one-line error, never a smaller corpus: the compressed stream is read to its
+end-of-stream marker (tar's own reader stops quietly when a truncated download happens to end at a
+member header, which would silently drop the rest of the tree).
 """
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import hashlib
 import heapq
+import lzma
 import re
 import tarfile
+import zlib
 from pathlib import Path
 
 from ..io import UserError
@@ -37,6 +45,19 @@ SUFFIXES = (".c", ".h")
 _GENERATED_DIRS = ("/asic_reg/",)
 LINUX_HINT = ("Linux source corpus not installed; run `make corpus-linux` (sudo apt-get install -y "
               "linux-source-6.1, ~140 MB) or use --set data.corpus=stdlib")
+
+
+#: compressed-stream magic bytes -> opener; each raises EOFError on a stream cut before its end marker
+_OPENERS = {b"\xfd7zXZ\x00": lzma.open, b"BZh": bz2.open, b"\x1f\x8b": gzip.open}
+_DAMAGED = (tarfile.TarError, OSError, EOFError, lzma.LZMAError, zlib.error)
+
+
+def _open_stream(path: Path):
+    """The archive's decompressed byte stream (xz, bzip2, gzip by magic bytes; else plain tar)."""
+    with path.open("rb") as f:
+        head = f.read(6)
+    opener = next((o for magic, o in _OPENERS.items() if head.startswith(magic)), None)
+    return opener(path, "rb") if opener else path.open("rb")
 
 
 def _version_key(path: str) -> tuple:
@@ -76,7 +97,7 @@ def linux_corpus(max_bytes: int = 0, tarball: str | Path | None = None) -> Corpu
     kept: list[tuple[str, str, str]] = []
     total = 0
     try:
-        with tarfile.open(path, "r|*") as tf:  # streaming mode: one pass, no seeks, nothing extracted
+        with _open_stream(path) as raw, tarfile.open(fileobj=raw, mode="r|") as tf:  # one pass, nothing extracted
             for m in tf:
                 if not m.isfile() or not m.name.endswith(SUFFIXES):
                     continue
@@ -92,9 +113,11 @@ def linux_corpus(max_bytes: int = 0, tarball: str | Path | None = None) -> Corpu
                 total += len(text.encode("utf-8"))
                 while max_bytes > 0 and len(kept) > 1 and total - _size(kept[0]) >= max_bytes:
                     total -= _size(heapq.heappop(kept))
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise UserError(f"cannot read Linux source tarball {path} ({type(e).__name__}: {str(e)[:120]}); "
-                        "reinstall it with `make corpus-linux`") from None
+            while raw.read(1 << 20):  # past tar's end blocks to the compressed stream's end marker
+                pass
+    except _DAMAGED as e:
+        raise UserError(f"cannot read Linux source tarball {path}, truncated or corrupt ({type(e).__name__}: "
+                        f"{str(e)[:120]}); reinstall it with `make corpus-linux`") from None
     docs = [Document(rel, text) for _, rel, text in sorted(kept, key=lambda k: (_neg(k[0]), k[1]))]
     if max_bytes > 0 and total > max_bytes and docs:  # the last document in hash order is cut, as elsewhere
         last = docs[-1]
