@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 47 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 51 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -6,10 +6,11 @@ name suggested); negative window; odd Sandwich d̄; C < 2 for sliding-dilated; a
 (learned, capped at 2, so not an option); T5 with one bucket; model.dim not divisible by heads.
 Lengths & memory (6): learned APE beyond L_tr; L_ex too big for dense attention (blocked instead);
 a batch that does not fit (one row at a time); a row that does not fit (explained); L_ex longer
-than the test split; check_lengths. Corpora (10): train split shorter than L_tr + 1; an empty valid
+than the test split; check_lengths. Corpora (14): train split shorter than L_tr + 1; an empty valid
 split (fine with train.eval_batches=0); no document in the train split; empty file; empty folder;
 binary file; missing path; python3-doc missing (lookup at an empty folder, and an empty _sources
-folder); damaged prepared cache.
+folder); damaged prepared cache; the Linux-source corpus (through `extrapolab prepare`, exit 2) not
+installed, its named tarball missing, garbage bytes, a truncated download.
 Checkpoints (6): truncated; bit flip; garbage weights behind a consistent manifest; wrong
 architecture; none at all; disk full while writing one. Configs (4): newer version, older version,
 invalid YAML, not a mapping. Results database (4): locked beyond the timeout (direct and through a
@@ -300,6 +301,46 @@ def test_damaged_prepared_cache_is_named_and_rebuilt(tiny, tmp_path):
     cfg = C.resolve(None, [*tiny.over, f"data.cache_dir={tmp_path / 'cache'}"])
     again = prepare(cfg.data, progress=False)  # our own content-keyed cache: rebuilt, not trusted
     assert again.path == folder and again.num_tokens("test") == tiny.data.num_tokens("test")
+
+
+def _linux_tarball(path: Path) -> bytes:
+    """A small Debian-layout kernel tarball (.tar.xz) at ``path``; returns its bytes."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:xz") as tf:
+        for i in range(30):
+            data = "".join(f"static int f{i}_{j}(int x) {{ return x * {j}; }}\n" for j in range(200)).encode()
+            info = tarfile.TarInfo(f"linux-source-6.1/kernel/f{i:02d}.c")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path.read_bytes()
+
+
+def test_linux_source_corpus_missing_or_damaged(tmp_path, monkeypatch):
+    """data.corpus=linux through `extrapolab prepare`: Debian's linux-source not installed, a named
+    tarball that is not there, garbage bytes, a truncated download; exit 2, nothing cached."""
+    from extrapolab.data import linux
+
+    monkeypatch.setattr(linux, "LINUX_GLOB", str(tmp_path / "usr-src" / "linux-source-*.tar.*"))  # none installed
+    good = _linux_tarball(tmp_path / "good.tar.xz")
+    (tmp_path / "garbage.tar.xz").write_bytes(b"\xfd7zXZ\x00" + os.urandom(4096))
+    (tmp_path / "truncated.tar.xz").write_bytes(good[:len(good) // 2])
+    cases = [
+        ("Linux source not installed", "linux", ["Linux source corpus not installed", "make corpus-linux",
+                                                 "apt-get install -y linux-source-6.1", "data.corpus=stdlib"]),
+        ("Linux tarball missing", f"linux:{tmp_path / 'nope.tar.xz'}", ["nope.tar.xz not found", "make corpus-linux",
+                                                                        "data.corpus=linux:<tarball>"]),
+        ("corrupt Linux tarball", f"linux:{tmp_path / 'garbage.tar.xz'}",
+         ["cannot read Linux source tarball", "truncated or corrupt", "make corpus-linux"]),
+        ("truncated Linux tarball", f"linux:{tmp_path / 'truncated.tar.xz'}",
+         ["cannot read Linux source tarball", "truncated or corrupt", "end-of-stream marker", "make corpus-linux"]),
+    ]
+    for case, corpus, needles in cases:
+        msg = _cli("prepare", "--set", f"data.corpus={corpus}", "--set", "data.tokenizer=bytes",
+                   "--set", f"data.cache_dir={tmp_path / 'cache'}")
+        check(case, msg, *needles, how=CLI_HOW)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.bin"))
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
