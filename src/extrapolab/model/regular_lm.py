@@ -133,7 +133,11 @@ class RegularLM(GPT):
             torch.nn.init.normal_(b.proj.weight, std=cfg.init_std / math.sqrt(2 * depth))
 
     def check_opts(self, opts: AttnOptions) -> None:
-        """A per-layer temperature has one tau per shared sub-layer (class doc), else one line."""
+        """A per-layer temperature has one tau per shared sub-layer (class doc), else one line; no
+        logits sink (the temperature alignment reads L x L logit rows, which eq. 6.1 does not form)."""
+        if opts.logits_sink is not None:
+            raise UserError("RegularGPT reads C keys per query per level, not L x L attention logits, so the "
+                            "temperature alignment (extrapolab align) does not apply to model.arch=regulargpt")
         opts.check_layers(len(self.blocks), f"RegularGPT's K={len(self.blocks)} shared sub-layers "
                           "(one tau per sub-layer, used at every level)")
 
