@@ -189,7 +189,8 @@ def bench(
     res = run_bench(**kwargs)
     typer.echo(format_table(res))
     if regular:  # O(T·C) per level against dense causal attention over the same number of layers
-        res["regular_lm"] = bench_regular_lm(C=regular_c, K=regular_k)
+        res["regular_lm"] = bench_regular_lm(C=regular_c, K=regular_k, device=res["meta"]["device"],
+                                             repeats=rounds or 7)
         atomic_write_json(out, res)
         typer.echo("\n" + format_regular_lm(res["regular_lm"]))
 

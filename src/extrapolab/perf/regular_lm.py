@@ -5,13 +5,13 @@ For each length T: a RegularGPT LM (``model.arch=regulargpt``, chunk C, thicknes
 K·ceil(log_C T) sub-layers; the reference is our GPT with NoPE (bias-free
 ``scaled_dot_product_attention(is_causal=True)``, the fused kernel) and exactly that many layers,
 same width, heads and vocabulary. Rows: a no-grad forward and a training step (forward + backward
-+ AdamW), each the median over ``repeats`` rounds in which the two models' order rotates, so load
-from other processes hits both alike; ratios are RegularGPT / full attention from the same run.
++ AdamW). The timing rules are the bench's (perf/timing.py): both models in this process, rounds
+in rotated order, and the ratio is the median of the per-round ratios RegularGPT / full attention
+with their min-max, flagged ``~`` when its 95% interval is wider than ±3%.
 """
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -19,17 +19,7 @@ from ..io import UserError
 from ..model.gpt import GPT, ModelConfig
 from ..model.regular_lm import RegularLM
 from ..positional.sliding_dilated import num_levels
-
-
-def _median_rotated(jobs: dict, repeats: int) -> dict[str, float]:
-    """Median wall seconds per job over ``repeats`` rounds; the order rotates each round."""
-    names, times = list(jobs), {n: [] for n in jobs}
-    for r in range(repeats):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            jobs[n]()
-            times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
+from .timing import fmt_ratio, paired_ratio, provenance, round_robin
 
 
 def _jobs(model: torch.nn.Module, x: torch.Tensor, train: bool) -> dict:
@@ -50,35 +40,40 @@ def _jobs(model: torch.nn.Module, x: torch.Tensor, train: bool) -> dict:
 
 
 def bench_regular_lm(lengths=(256, 1024, 4096), *, C: int = 16, K: int = 1, dim: int = 128, heads: int = 4,
-                     vocab: int = 256, batch_tokens: int = 4096, repeats: int = 3, warmup: int = 1,
-                     train: bool = True, seed: int = 0) -> dict:
-    """{"meta": {...}, "rows": {str(T): {levels, layers, regular_fwd_ms, full_fwd_ms, fwd_ratio,
-    [regular_step_ms, full_step_ms, step_ratio]}}}; batch = max(1, batch_tokens // T)."""
+                     vocab: int = 256, batch_tokens: int = 4096, repeats: int = 7, warmup: int = 1,
+                     train: bool = True, seed: int = 0, device: str = "cpu") -> dict:
+    """{"meta": {...}, "rows": {str(T): {levels, layers, batch, regular_fwd_ms, full_fwd_ms, fwd_ratio,
+    [regular_step_ms, full_step_ms, step_ratio], rounds}}}; batch = max(1, batch_tokens // T); a
+    ratio is ``timing.paired_ratio``'s dict (median, min, max, ci95, stable); ``rounds`` holds the
+    per-round seconds of each job."""
     if C < 2 or K < 1 or not lengths or min(lengths) < 2 or repeats < 1:
         raise UserError(f"bench needs C >= 2, K >= 1, lengths >= 2 and repeats >= 1; got C={C}, K={K}, "
                         f"lengths={list(lengths)}, repeats={repeats}")
+    dev = torch.device(device)
     base = ModelConfig(vocab_size=vocab, heads=heads, dim=dim, scheme="none")
+    kinds = ("fwd", "step") if train else ("fwd",)
     rows = {}
     for T in lengths:
         levels = num_levels(T, C)
         torch.manual_seed(seed)
         reg = RegularLM(ModelConfig(**{**base.to_dict(), "arch": "regulargpt", "C": C, "K": K, "train_length": T}))
         full = GPT(ModelConfig(**{**base.to_dict(), "layers": K * levels}))
-        x = torch.randint(0, vocab, (max(1, batch_tokens // T), T + 1))
-        jobs = {f"{m}_{k}": f for m, model in (("regular", reg), ("full", full))
+        x = torch.randint(0, vocab, (max(1, batch_tokens // T), T + 1)).to(dev)  # [B, T + 1]
+        jobs = {f"{m}_{k}": f for m, model in (("regular", reg.to(dev)), ("full", full.to(dev)))
                 for k, f in _jobs(model, x, train).items()}
         for f in jobs.values():  # warm-up: allocator, kernels, optimizer state
             for _ in range(warmup):
                 f()
-        t = _median_rotated(jobs, repeats)
-        row = {"levels": levels, "layers": K * levels, "batch": int(x.shape[0])}
-        for k in ("fwd", "step") if train else ("fwd",):
-            row[f"regular_{k}_ms"] = 1e3 * t[f"regular_{k}"]
-            row[f"full_{k}_ms"] = 1e3 * t[f"full_{k}"]
-            row[f"{k}_ratio"] = t[f"regular_{k}"] / t[f"full_{k}"]
+        times = round_robin(jobs, repeats, dev)  # {job: [seconds per round]}
+        prov = provenance(dev, T=T, batch=int(x.shape[0]), C=C, K=K, dim=dim, heads=heads, vocab=vocab)
+        row = {"levels": levels, "layers": K * levels, "batch": int(x.shape[0]), "rounds": times}
+        for k in kinds:
+            row[f"regular_{k}_ms"] = 1e3 * statistics.median(times[f"regular_{k}"])
+            row[f"full_{k}_ms"] = 1e3 * statistics.median(times[f"full_{k}"])
+            row[f"{k}_ratio"] = paired_ratio({**prov, k: times[f"regular_{k}"]}, {**prov, k: times[f"full_{k}"]}, k)
         rows[str(T)] = row
     meta = {"C": C, "K": K, "dim": dim, "heads": heads, "vocab": vocab, "batch_tokens": batch_tokens,
-            "repeats": repeats, "threads": torch.get_num_threads(),
+            "repeats": repeats, "threads": torch.get_num_threads(), "device": str(dev),
             "baseline": "GPT, NoPE (SDPA is_causal), K·ceil(log_C T) layers"}
     return {"meta": meta, "rows": rows}
 
@@ -93,11 +88,13 @@ def format_regular_lm(result: dict) -> str:
         head += " RegularGPT step ms | full step ms | ×full |"
         sep += "---|---|---|"
     lines = [f"RegularGPT LM C={m['C']}, K={m['K']} vs full causal attention at the same depth "
-             f"(d={m['dim']}, H={m['heads']}, {m['threads']} threads)", "", head, sep]
+             f"(d={m['dim']}, H={m['heads']}, {m['device']}, {m['threads']} threads, {m['repeats']} paired "
+             "rounds; ×full = median (min–max) of the per-round ratios, ~ = 95% interval wider than ±3%)",
+             "", head, sep]
     for T, r in result["rows"].items():
         line = (f"| {T} | {r['levels']} | {r['layers']} | {r['regular_fwd_ms']:.1f} | {r['full_fwd_ms']:.1f} "
-                f"| {r['fwd_ratio']:.2f} |")
+                f"| {fmt_ratio(r['fwd_ratio'])} |")
         if train:
-            line += f" {r['regular_step_ms']:.1f} | {r['full_step_ms']:.1f} | {r['step_ratio']:.2f} |"
+            line += f" {r['regular_step_ms']:.1f} | {r['full_step_ms']:.1f} | {fmt_ratio(r['step_ratio'])} |"
         lines.append(line)
     return "\n".join(lines)
