@@ -109,6 +109,8 @@ class MLPProbe(nn.Module):
         self.white.copy_((evecs * scale).float())  # [d, d]: columns eigvec_i / sqrt(lambda_i)
         target = torch.log1p(m.float())
         self.target.copy_(torch.stack([target.mean(), target.std()]))  # the net regresses the z-score
+        target = (target - self.target[0]) / self.target[1]
+        z = (h.float() - self.mean) @ self.white  # [N, d] @ [d, d]: whitened once, not at every step
         gen = torch.Generator().manual_seed(seed)
         with torch.random.fork_rng():
             torch.manual_seed(seed)
@@ -119,7 +121,7 @@ class MLPProbe(nn.Module):
         with torch.enable_grad():
             for _ in range(steps):
                 idx = torch.randint(0, h.shape[0], (batch,), generator=gen)
-                loss = ((self(h[idx].float()) - target[idx]) ** 2).mean()
+                loss = ((self.net(z[idx])[:, 0] - target[idx]) ** 2).mean()  # [batch, d] -> [batch]
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
