@@ -20,7 +20,9 @@ equally scaled for the ReLU units, which measure |w·h|).
 ``kind="linear"``: the earlier closed-form ridge regression of m on phi(h) = [h, h∘h, 1] (normal
 equations accumulated in float64; ||Phi w - m||^2 + ridge·N·||w'||^2, w' without the intercept).
 The squares read the variance only along the coordinate axes, where Lemma 2.4's per-dimension
-differences are ~sqrt(4/d) = 7%; it stays at the midpoint baseline (docs/results/nope-probe.md).
+differences are ~sqrt(4/d) = 7%; it stays at the midpoint baseline. Neither reproduces Fig. 2.2 at
+the thesis size on 128 cached sequences (docs/results/nope-probe.md: the mlp probe is below 128 only
+at 1-6 layers and its MAE rises with depth).
 
 Predictions are rounded and clipped to [0, L-1] before the MAE, like a classifier's argmax.
 """
