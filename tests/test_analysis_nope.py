@@ -10,7 +10,7 @@ import torch
 
 from extrapolab.analysis import (LinearProbe, model_variance, plot_probe, plot_variance, position_probe,
                                  probe_features, random_tlm, sigma_sweep, simulate_variance)
-from extrapolab.analysis.nope_probe import hidden_states
+from extrapolab.analysis.nope_probe import MLPProbe, hidden_states
 from extrapolab.model.attention import AttnOptions
 from extrapolab.model.gpt import GPT, ModelConfig
 
@@ -91,19 +91,77 @@ def test_probe_features_and_basis():
     assert torch.all(f[:, -1] == 1)
 
 
-def test_position_probe_result_and_figure(tmp_path):
+def test_mlp_probe_reads_a_trivially_readable_position():
+    """Independent reference: where the position is a smooth first-order code (cos/sin of m at 4
+    frequencies + small noise), the thesis' probe (2-layer ReLU, Adam 1e-3) learns it: the loss
+    falls tenfold and the held-out MAE is near 0 (the midpoint baseline is L/4 = 16)."""
+    L, g = 64, torch.Generator().manual_seed(0)
+    m = torch.arange(L).repeat(40)  # [2560]
+    w = torch.tensor([0.5, 1.0, 2.0, 4.0]) * torch.pi / L
+    code = torch.cat([torch.cos(m[:, None] * w), torch.sin(m[:, None] * w)], 1)  # [N, 8]
+    h = code @ torch.randn(8, 16, generator=g) + 0.01 * torch.randn(m.shape[0], 16, generator=g)  # [N, 16]
+    probe = MLPProbe(16, hidden=64)
+    losses = probe.fit(h[:2048], m[:2048], steps=1500, batch=128)
+    assert np.mean(losses[-50:]) < np.mean(losses[:50]) / 10
+    mae = (probe.predict(h[2048:]).round() - m[2048:]).abs().mean().item()
+    assert mae < 1.5
+
+
+def test_mlp_probe_reads_a_variance_code_a_linear_map_cannot():
+    """Lemma 2.3's situation in miniature: the position is only in the *scale* of a zero-mean
+    vector along 8 of 16 directions (E[w·h] = 0 at every m). A least-squares fit on h stays at the
+    midpoint baseline; the MLP probe, reading |w·h| through its ReLUs, does much better."""
+    L, g = 64, torch.Generator().manual_seed(1)
+    m = torch.arange(L).repeat(160)  # [10240]
+    scale = torch.ones(m.shape[0], 16)
+    scale[:, :8] = 4.0 / torch.sqrt(1.0 + m[:, None].float())  # [N, 16]: falls like 1/sqrt(m)
+    h = torch.randn(m.shape[0], 16, generator=g) * scale @ torch.linalg.qr(torch.randn(16, 16, generator=g))[0]
+    tr, te = slice(0, 8192), slice(8192, None)
+    probe = MLPProbe(16, hidden=64)
+    probe.fit(h[tr], m[tr], steps=800, batch=256)
+    mlp = (probe.predict(h[te]).round().clamp(0, L - 1) - m[te]).abs().mean().item()
+    a = np.c_[h.numpy(), np.ones(m.shape[0])]
+    coef = np.linalg.lstsq(a[tr], m[tr].numpy().astype(float), rcond=None)[0]
+    lin = np.abs(np.clip(np.round(a[te] @ coef), 0, L - 1) - m[te].numpy()).mean()
+    assert lin > 0.9 * L / 4 and mlp < 0.6 * L / 4
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_position_probe_result_and_figure(tmp_path, kind):
     """Fig. 2.2's pipeline in miniature: MAE per layer and position on held-out sequences, the
     midpoint baseline L/4, reproducible from the seed, and one figure with the probe beside the
     layer-0 variance curve of Lemma 2.3."""
-    kw = dict(dim=32, heads=2, length=16, layers=2, sigma=0.02, train_samples=12, eval_samples=4, batch=4)
+    kw = dict(dim=32, heads=2, length=16, layers=2, sigma=0.02, train_samples=12, eval_samples=4, batch=4,
+              kind=kind, steps=20)
     r = position_probe(**kw)
     mae = np.asarray(r["mae_per_position"])
-    assert mae.shape == (2, 16) and r["baseline_mae"] == 4
+    assert mae.shape == (2, 16) and r["baseline_mae"] == 4 and r["kind"] == kind
     assert np.all((mae >= 0) & (mae <= 15)) and np.allclose(r["mae_per_layer"], mae.mean(1))
     np.testing.assert_array_equal(position_probe(**kw)["mae_per_position"], mae)
     v = simulate_variance(dim=32, heads=2, length=16, samples=4)
     files = plot_probe(r, tmp_path / "p", variance=v)
     assert len(files) == 2 and (tmp_path / "p.svg").read_text().count("Lemma 2.3") >= 1
+
+
+def test_position_probe_states_match_the_full_model():
+    """The layer-by-layer pass over all sequences gives the same states as one full forward pass
+    (hooks on every block): the probe reads the model it claims to read."""
+    from extrapolab.analysis.nope_probe import _advance
+
+    m = random_tlm(dim=32, heads=2, layers=2, sigma=0.02, length=16)
+    x = torch.randn(5, 16, 32, generator=torch.Generator().manual_seed(3)) * 0.02
+    ref = hidden_states(m, x, AttnOptions(impl="sdpa"))
+    y = x.clone()
+    for block, want in zip(m.blocks, ref):
+        _advance(m, block, y, AttnOptions(impl="sdpa"), batch=2)
+        torch.testing.assert_close(m.ln_f(y), want, rtol=1e-5, atol=1e-5)
+
+
+def test_position_probe_rejects_an_unknown_kind():
+    from extrapolab.io import UserError
+
+    with pytest.raises(UserError, match="mlp"):
+        position_probe(dim=32, heads=2, length=16, layers=1, kind="svm")
 
 
 def test_cli_nope_variance_with_probe(tmp_path):
@@ -116,7 +174,7 @@ def test_cli_nope_variance_with_probe(tmp_path):
 
     res = CliRunner().invoke(app, ["nope-variance", "--dim", "32", "--heads", "2", "--length", "16", "--samples", "4",
                                    "--no-sweep", "--probe", "--probe-layers", "2", "--probe-samples", "4",
-                                   "--probe-eval", "2", "--out", str(tmp_path), "--json"])
+                                   "--probe-eval", "2", "--probe-steps", "10", "--out", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert len(out["probe"]["mae_per_layer"]) == 2 and out["probe"]["baseline_mae"] == 4

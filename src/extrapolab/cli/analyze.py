@@ -177,10 +177,12 @@ def nope_variance(
     length: int = typer.Option(512, "--length"), sigma: float = typer.Option(0.02, "--sigma"),
     samples: int = typer.Option(500, "--samples"), layers: int = typer.Option(1, "--layers"),
     sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="sigma in 0.2, 0.02, 0.002 (Fig. 2.5)"),
-    probe: bool = typer.Option(False, "--probe/--no-probe", help="linear position probe (Fig. 2.2)"),
+    probe: bool = typer.Option(False, "--probe/--no-probe", help="position probe (Fig. 2.2)"),
     probe_layers: int = typer.Option(12, "--probe-layers"),
-    probe_samples: int = typer.Option(16, "--probe-samples", help="random sequences fitting the probe"),
-    probe_eval: int = typer.Option(8, "--probe-eval", help="held-out sequences measuring it"),
+    probe_samples: int = typer.Option(128, "--probe-samples", help="random sequences fitting the probe"),
+    probe_eval: int = typer.Option(16, "--probe-eval", help="held-out sequences measuring it"),
+    probe_kind: str = typer.Option("mlp", "--probe-kind", help="mlp (thesis §2.8.1, Adam) | linear (ridge)"),
+    probe_steps: int = typer.Option(1500, "--probe-steps", help="Adam steps of the mlp probe (batch 512 rows)"),
     run: Optional[Path] = typer.Option(None, "--run", help="also measure this trained checkpoint (Figs. 2.6-2.7)"),
     out: Path = typer.Option(Path("reports/analysis"), "--out"),
     as_json: bool = typer.Option(False, "--json"),
@@ -193,12 +195,12 @@ def nope_variance(
 
     place = placement(device, dtype)
     with place.autocast():
-        _nope_variance(dim, heads, length, sigma, samples, layers, sweep, probe, probe_layers, probe_samples, probe_eval, run,
-                       out, as_json, place.device)
+        probe_kw = dict(layers=probe_layers, train_samples=probe_samples, eval_samples=probe_eval, kind=probe_kind,
+                        steps=probe_steps) if probe else None
+        _nope_variance(dim, heads, length, sigma, samples, layers, sweep, probe_kw, run, out, as_json, place.device)
 
 
-def _nope_variance(dim, heads, length, sigma, samples, layers, sweep, probe, probe_layers, probe_samples, probe_eval, run,
-                   out, as_json, device):
+def _nope_variance(dim, heads, length, sigma, samples, layers, sweep, probe_kw, run, out, as_json, device):
     from ..analysis import nope, nope_probe
     from ..analysis.common import segments_from_stream
     from ..analysis.runner import load_run, test_stream
@@ -212,8 +214,8 @@ def _nope_variance(dim, heads, length, sigma, samples, layers, sweep, probe, pro
         figs += nope.plot_variance({f"sigma={s}": r for s, r in sw.items()}, out / "nope_sigma_sweep", layer=0)
         result["sigma_sweep"] = {str(s): r["fits"][0] for s, r in sw.items()}
         lines += [f"sigma={s}: slope {r['fits'][0]['slope']:.3f}" for s, r in sw.items()]
-    if probe:
-        pr = nope_probe.position_probe(dim, heads, length, sigma, probe_layers, probe_samples, probe_eval, device=device)
+    if probe_kw:
+        pr = nope_probe.position_probe(dim, heads, length, sigma, device=device, **probe_kw)
         figs += nope_probe.plot_probe(pr, out / "nope_position_probe", variance=res)
         result["probe"] = {"mae_per_layer": pr["mae_per_layer"], "baseline_mae": pr["baseline_mae"]}
         lines.append(f"probe MAE per layer {[round(float(x), 1) for x in pr['mae_per_layer']]} "
