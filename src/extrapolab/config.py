@@ -245,6 +245,7 @@ def regular_scheme(cfg: RunConfig, overrides: list[str] | None = None) -> None:
 def validate(cfg: RunConfig) -> None:
     """Cheap checks before any data is prepared or a model trained (one-line errors)."""
     from .model.gpt import build_scheme
+    from .model.regular_lm import check_depth
 
     m = cfg.model
     for name in ("layers", "heads", "dim", "train_length", "vocab_size"):
@@ -257,8 +258,10 @@ def validate(cfg: RunConfig) -> None:
     if m.arch == "regulargpt" and (m.C < 2 or m.K < 1):
         raise ConfigError(f"RegularGPT needs model.C >= 2 and model.K >= 1, got C={m.C}, K={m.K}; "
                           "e.g. --set model.C=8 --set model.K=1")
-    if m.depth not in ("position", "sequence"):
-        raise ConfigError(f"model.depth must be position or sequence (RegularGPT's readout), got {m.depth!r}")
+    try:
+        check_depth(m.depth)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")

@@ -95,6 +95,12 @@ def sliding_dilated_attention(q, k, v, scheme: SlidingDilated, level: int,
     return out.permute(0, 3, 1, 2, 4).reshape(B, n * s, H, Dh)[:, :T]  # [B, T, H, Dh]
 
 
+def check_depth(depth: str) -> None:
+    """``model.depth`` is RegularGPT's readout: position or sequence (module docstring), else one line."""
+    if depth not in ("position", "sequence"):
+        raise UserError(f"model.depth must be position or sequence (RegularGPT's readout), got {depth!r}")
+
+
 class SlidingBlock(Block):
     """One sub-layer k of the thickened layer: pre-LN sliding-dilated attention + GELU MLP."""
 
@@ -124,8 +130,7 @@ class RegularLM(GPT):
     dense_attention = False  # no L x L rows to analyse (analysis.erf.attention_erf reports NaN)
 
     def __init__(self, cfg: ModelConfig) -> None:
-        if cfg.depth not in ("position", "sequence"):
-            raise UserError(f"model.depth must be position or sequence (RegularGPT's readout), got {cfg.depth!r}")
+        check_depth(cfg.depth)
         cfg = replace(cfg, arch="regulargpt", scheme="sliding-dilated", scheme_params={}, layers=cfg.K)
         super().__init__(cfg)  # build_scheme -> SlidingDilated(C, K), raises SchemeError on bad C/K
         depth = cfg.K * num_levels(cfg.train_length, cfg.C)  # sub-layers applied at L_tr
@@ -171,7 +176,7 @@ class RegularLM(GPT):
                 end = min(T, self.cfg.C ** (level + 1))
                 pieces.append(x[:, done:end])  # [B, end - done, D] after their own last level
                 done = end
-        h = self.ln_f(torch.cat(pieces, dim=1) if pieces else x)  # [B, T, D]
+        h = self.ln_f(x if self.cfg.depth == "sequence" else torch.cat(pieces, dim=1))  # [B, T, D]
         logits = self.head(h)  # [B, T, V]
         return {"logits": logits, "hidden": h} if return_hidden else logits
 
