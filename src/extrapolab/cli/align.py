@@ -250,11 +250,8 @@ def experiment(
 ):
     """Train on corpus + retrieval docs, align, measure ppl and retrieval per rule, write report.html (resumable)."""
     from ..align.experiment import run_align_experiment
-    from ..train.placement import placement_overrides
 
-    res = run_align_experiment(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
-    typer.echo((res["out"] / "summary.md").read_text())
-    typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
+    _study(run_align_experiment, preset, out, set_, device, dtype)
 
 
 @app.command("rope")
@@ -268,8 +265,15 @@ def rope(
 ):
     """One rotary run; RoPE vs PI / NTK / dynamic NTK / YaRN / temperature alignment at 2-16x L_tr -> report.html (resumable)."""
     from ..align.rope_study import run_rope_study
+
+    _study(run_rope_study, preset, out, set_, device, dtype)
+
+
+def _study(run, preset: str, out: Optional[Path], set_: Optional[List[str]], device: str, dtype: str) -> None:
+    """Run one study (``run(preset, out=..., overrides=...)`` -> {"out", "report", "wall_s"}) with the
+    --set overrides and the placement flags, then print its summary and where the report is."""
     from ..train.placement import placement_overrides
 
-    res = run_rope_study(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
+    res = run(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
     typer.echo((res["out"] / "summary.md").read_text())
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
