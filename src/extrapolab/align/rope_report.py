@@ -130,15 +130,11 @@ def _plot_passkey(results: dict, stem: Path) -> str:
 def write_rope_report(out: Path, results: dict) -> Path:
     """Write every table, figure, report.md and report.html under ``out``; returns report.html."""
     out = Path(out)
-    figs = out / "figures"
-    figs.mkdir(parents=True, exist_ok=True)
     L_tr, Lmax = results["config"]["model"]["train_length"], results["spec"]["lengths"][-1]
     report = StudyReport(out, f"RoPE context extension vs temperature alignment: {results['config']['name']}")
-    add = report.add
+    add, figs = report.add, report.figures
 
-    summary = summary_table(results)
-    atomic_write_text(out / "summary.md", summary)
-    add("The result: every method on the same trained RoPE weights", summary)
+    report.add_summary("The result: every method on the same trained RoPE weights", summary_table(results))
     tables = metric_tables(results)
     for key, (tmd, tcsv) in tables.items():
         atomic_write_text(out / f"{key}.md", tmd)

@@ -140,15 +140,11 @@ def write_report(out: Path, results: dict) -> Path:
     """Write every table, figure, report.md and report.html under ``out``; returns report.html."""
 
     out = Path(out)
-    figs = out / "figures"
-    figs.mkdir(parents=True, exist_ok=True)
     res, L_tr = results["align"], results["config"]["model"]["train_length"]
     report = StudyReport(out, f"Temperature alignment experiment: {results['config']['name']}")
-    add = report.add
+    add, figs = report.add, report.figures
 
-    summary = summary_table(results)
-    atomic_write_text(out / "summary.md", summary)
-    add("The result: τ=1 vs each alignment rule", summary)
+    report.add_summary("The result: τ=1 vs each alignment rule", summary_table(results))
     ttab = align_table(res)
     atomic_write_text(out / "temperature.md", ttab + "\n")
     atomic_write_text(out / "temperature.csv", temperature_csv(res))

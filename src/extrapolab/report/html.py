@@ -66,8 +66,15 @@ class StudyReport:
 
     def __init__(self, out: Path, heading: str) -> None:
         self.out = Path(out)
+        self.figures = self.out / "figures"  # where the study's plots go (created here)
+        self.figures.mkdir(parents=True, exist_ok=True)
         self.sections: list[tuple[str, str]] = []
         self.md = [f"# {heading}\n"]
+
+    def add_summary(self, title: str, body_md: str) -> None:
+        """The study's headline table: written to summary.md (the CLI prints it) and added first."""
+        atomic_write_text(self.out / "summary.md", body_md)
+        self.add(title, body_md)
 
     def add(self, title: str, body_md: str, pngs=(), extra_html: str = "") -> None:
         figs = "".join(img_tag(p, Path(p).stem) for p in pngs)
