@@ -212,3 +212,14 @@ def test_docs_attention_names_only_tests_that_exist():
     for f, t in named:
         pool = [sources[f]] if f else sources.values()
         assert any(f"def {t}(" in s for s in pool), (f, t)
+
+
+def test_fused_mask_probe_is_not_fooled_by_ambient_autocast(monkeypatch):
+    """hankel_ok caches its answer for the process: probing first under bf16 autocast (a bf16
+    evaluation) must not disable the fused CPU path for everything after it."""
+    from extrapolab.model import toeplitz
+
+    monkeypatch.setattr(toeplitz, "_PROBE", {})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert toeplitz.hankel_ok(torch.device("cpu"))
+    assert toeplitz._PROBE == {"cpu": True}

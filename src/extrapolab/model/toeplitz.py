@@ -49,12 +49,15 @@ def hankel_ok(device: torch.device) -> bool:
     """Once per device type: does the fused SDPA kernel honour a stride-(1, 1) mask exactly?"""
     kind = device.type
     if kind not in _PROBE:
+        # autocast off: the answer is cached for the process, and a probe under bf16 autocast (a bf16
+        # evaluation that happens to call first) would miss fp32 tolerance and disable the fused path
         try:
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(1, 2, 6, 4, generator=g).to(device) for _ in range(3))
             m = hankel_view(torch.randn(2, 11, generator=g).to(device), 0, 6, 6)  # [1, 2, 6, 6]
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
-            ref = torch.softmax(q @ k.transpose(-1, -2) / 2.0 + m, dim=-1) @ v  # d_head = 4
+            with torch.autocast(kind, enabled=False):
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+                ref = torch.softmax(q @ k.transpose(-1, -2) / 2.0 + m, dim=-1) @ v  # d_head = 4
             _PROBE[kind] = bool(torch.allclose(a, ref, atol=1e-5))
         except (RuntimeError, TypeError):
             _PROBE[kind] = False
