@@ -123,8 +123,7 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
         return "causal", None
     a, c = starts
     if not dense_bias and is_toeplitz(scheme, allow_weight=True) and a is not None and c is not None and c <= a:
-        if impl == "flex" or (impl == "auto" and not bias_free and device == "cuda" and Lq == Lk
-                              and flex.supported(device, D, dtype)):
+        if impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype)):
             if device == "cpu" and grad:
                 raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
                                 "use impl='auto' on CPU or run on CUDA")
@@ -168,8 +167,12 @@ def attend(
     if path in ("toeplitz", "flex"):
         db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
-            return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=scale, tau=tau,
-                                            window=opts.window), None
+            try:
+                return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=scale, tau=tau,
+                                                window=opts.window), None
+            except flex.RecompileLimit as full:  # never the eager dense fallback: the Toeplitz path
+                flex.warn_limit(q, k, scheme.learnable, full.limit)
+                block = min(int(opts.block_size), TOEPLITZ_BLOCK) if q.shape[2] > TOEPLITZ_BLOCK else None
         return toeplitz_attention(q, k, v, *starts, db, layer, scale=scale / tau, tau=tau,
                                   window=opts.window, block=block), None
     if path == "fallback" and block is not None:  # rows per block within the memory budget

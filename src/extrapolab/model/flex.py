@@ -16,16 +16,30 @@ tensor): blocks where every distance is visible are "full" (no mask_mod call), b
 are skipped. It is cached per (shape, offset, window, layer) on the scheme. Tables that need a
 gradient (KERPLE, T5, sliding-dilated r) are captured tensors of the ``score_mod``; FlexAttention
 returns their gradient on CUDA. Offsets and 1/tau are captured 0-d tensors, so new values do not
-recompile. ``torch.compile(flex_attention, dynamic=False)`` is made once per process and reused
-(one compiled kernel per shape).
+recompile.
 
-On CPU, torch 2.13 runs FlexAttention only without input gradients (and only unfused in eager
-mode): :func:`.attention.attend` never picks it there automatically; the tests run the CPU forward
-against the reference path for every registered scheme.
+The compiled kernel (:class:`Compiled`, one per process) is ``torch.compile(flex_attention,
+dynamic=False, fullgraph=True)``. Dynamo keeps one graph per guard set (batch, lengths, dtype,
+grad / no_grad / inference mode, learnable or fixed table) and past its ``recompile_limit`` (8 by
+default) would run flex_attention *eagerly*, materialising the full [B, H, Lq, Lk] scores, with
+one log line. Here each call raises the limit to :data:`RECOMPILE_LIMIT` for itself only (a scoped
+``torch._dynamo.config.patch``) and, with ``fullgraph=True``, hitting it raises instead of running
+eagerly: :func:`.attention.attend` then runs that shape on the Toeplitz path and warns once, naming
+the shape. q, k, v are made contiguous first, so strides never split the cache.
+
+No host-device synchronisation per layer: offsets and 1/tau are filled on the device
+(``torch.full``, never ``torch.tensor`` from host data), and a learnable table's block mask is built
+on the device once per forward (:meth:`.tables.DistanceBias.memo`, shared by the layers) instead of
+being keyed on a count read back from the device.
+
+On CPU, torch 2.13 runs FlexAttention only without input gradients (and unfused in eager mode):
+:func:`.attention.attend` never picks it there automatically; the tests run the CPU forward against
+the reference path for every registered scheme, and drive the compiled kernel past its limit on the
+CPU (inductor compiles FlexAttention's forward there).
 """
 from __future__ import annotations
 
-import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +47,30 @@ import torch.nn.functional as F
 from .tables import DistanceBias
 
 BLOCK = 128  # FlexAttention's default sparse block size (queries x keys)
-_COMPILED: list = []  # the compiled flex_attention, made on first CUDA use
+#: compiled graphs the kernel may keep per process (torch's own default is 8): a GPU sweep needs
+#: ~12 per bias scheme (train, validation, each evaluation length and batch, bf16 and fp32)
+RECOMPILE_LIMIT = 64
+#: the automatic rule takes FlexAttention only for sequences at least this long (docs/attention.md):
+#: below it the Toeplitz path's dense mask is at most H x 512 x 512 per block, and a compile per new
+#: length costs more than it saves; smoke runs (L = 32) and the regular-language tasks (a random
+#: length per step) then never compile
+MIN_LENGTH = 512
+MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks(seq_lengths=...) and the CPU template used here
+_COMPILED: list = []  # the compiled kernel, made on first CUDA use
+
+
+class RecompileLimit(RuntimeError):
+    """The compiled kernel holds its ``limit`` graphs and this call needs a new one."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"FlexAttention's compiled kernel holds its {limit} graphs")
+        self.limit = limit
 
 
 def available() -> bool:
+    """FlexAttention importable and torch >= 2.6."""
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+        return False
     try:
         from torch.nn.attention import flex_attention  # noqa: F401
     except ImportError:
@@ -45,20 +79,63 @@ def available() -> bool:
 
 
 def supported(device: str, head_dim: int, dtype: torch.dtype) -> bool:
-    """Does the automatic rule use FlexAttention for this device, head size and dtype?"""
+    """Can the compiled kernel run on this device, head size and dtype?"""
     return (device == "cuda" and available() and dtype in (torch.float16, torch.bfloat16, torch.float32)
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
+def pays(device: str, Lq: int, Lk: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """The automatic rule: a whole sequence (Lq = Lk) of at least :data:`MIN_LENGTH` tokens that
+    :func:`supported` accepts, while the compiled kernel has room for another graph."""
+    room = not (_COMPILED and _COMPILED[0].full)
+    return Lq == Lk and Lq >= MIN_LENGTH and supported(device, head_dim, dtype) and room
+
+
+class Compiled:
+    """``torch.compile(flex_attention, dynamic=False, fullgraph=True)`` that may keep ``limit``
+    graphs; a call that needs one more raises :class:`RecompileLimit` instead of running
+    flex_attention eagerly (dense scores). The limit applies to its own calls only."""
+
+    def __init__(self, limit: int = RECOMPILE_LIMIT) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.limit, self.full = int(limit), False
+        self.fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+    def __call__(self, q, k, v, **kw):
+        from torch._dynamo import config as dcfg, exc
+
+        limits = {"recompile_limit": self.limit, "fail_on_recompile_limit_hit": True,
+                  "accumulated_recompile_limit": max(4 * self.limit, dcfg.accumulated_recompile_limit)}
+        try:
+            with dcfg.patch(**limits):
+                return self.fn(q.contiguous(), k.contiguous(), v.contiguous(), **kw)  # one layout per shape
+        except exc.FailOnRecompileLimitHit:
+            self.full = True
+            raise RecompileLimit(self.limit) from None
+
+
 def kernel(device: str):
-    """The compiled flex_attention on CUDA (one per process), the eager one elsewhere."""
+    """The compiled kernel on CUDA (:class:`Compiled`, one per process), eager flex_attention elsewhere."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if device != "cuda":
         return flex_attention
     if not _COMPILED:
-        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
+        _COMPILED.append(Compiled())
     return _COMPILED[0]
+
+
+def limit_warning(q: torch.Tensor, k: torch.Tensor, learnable: bool, limit: int) -> str:
+    """The one line printed (once per shape) when a shape past the limit takes the Toeplitz path."""
+    B, H, Lq, D = q.shape
+    return (f"FlexAttention holds its {limit} compiled graphs: shape B={B} H={H} Lq={Lq} Lk={k.shape[2]} D={D} "
+            f"{str(q.dtype).replace('torch.', '')} grad={torch.is_grad_enabled()} learnable={learnable} runs on the "
+            "Toeplitz path instead; raise extrapolab.model.flex.RECOMPILE_LIMIT to compile more")
+
+
+def warn_limit(q, k, learnable: bool, limit: int) -> None:
+    warnings.warn(limit_warning(q, k, learnable, limit), RuntimeWarning, stacklevel=3)
 
 
 def score_mod_for(bias: torch.Tensor, weight: torch.Tensor | None, off: torch.Tensor, inv_tau: torch.Tensor):
@@ -111,7 +188,7 @@ def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BL
     whole = ((q_hi - q_lo + 1 == block)[:, None]) & ((k_hi - k_lo + 1 == block)[None])  # [QB, KB]
     full = whole & (d_lo >= 0) & (d_hi < n) & (seen == d_hi - d_lo + 1)  # edge blocks stay partial
     partial = (seen > 0) & ~full
-    off_t = torch.tensor(off, device=dev)
+    off_t = torch.full((), off, device=dev, dtype=torch.int64)  # filled on the device: no host copy
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block,
                                     mask_mod=mask_mod_for(finite, off_t), seq_lengths=(Lq, Lk))
 
@@ -125,22 +202,27 @@ def _finite(table: torch.Tensor, window: int | None) -> torch.Tensor:
 
 def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *, scale: float,
                         tau: float = 1.0, window: int | None = None) -> torch.Tensor:
-    """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c.. (c <= a) -> out [B,H,Lq,D]."""
+    """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c.. (c <= a) -> out [B,H,Lq,D].
+
+    Raises :class:`RecompileLimit` when the compiled kernel is full (attend() then takes the
+    Toeplitz path). No host-device synchronisation (module doc)."""
     H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
     n = a + Lq - c  # distances 0 .. dmax
     scheme = db.scheme
     bias = db.table(layer, n).expand(H, n).contiguous()  # [H, n]; graph kept for learnable tables
     weight = db.table(layer, n, "weight").expand(H, n).contiguous() if scheme.has_weight else None
-    fin = _finite(bias, window)  # [n]
-    # the finite pattern is structural for every registered scheme; a learnable one is re-keyed
-    # on its count in case a user's table grows or loses -inf entries while training
-    tag = int(fin.sum()) if scheme.learnable else None
-    key = ("flexmask", q.device, Lq, Lk, a - c, window, db.layer_key(layer), tag)
-    hit = scheme.cached(key)  # (finite, BlockMask): the tensor lets ``cached`` see inference mode
-    if hit is None:
-        hit = scheme._table_cache[key] = (fin, block_mask(fin, Lq, Lk, a - c))
-    bm = hit[1]
-    off = torch.tensor(a - c, device=q.device)
-    inv_tau = torch.tensor(1.0 / tau, device=q.device, dtype=bias.dtype)
+    key = ("flexmask", q.device, Lq, Lk, a - c, window, db.layer_key(layer))
+    if scheme.learnable:  # the finite pattern of this forward's table, built on the device once
+        bm = db.memo(key, lambda: block_mask(_finite(bias, window), Lq, Lk, a - c))
+    else:  # (finite, BlockMask) on the scheme: the tensor lets ``cached`` see inference mode
+        hit = scheme.cached(key)
+        if hit is None:
+            fin = _finite(bias, window)  # [n]
+            hit = scheme._table_cache[key] = (fin, block_mask(fin, Lq, Lk, a - c))
+        bm = hit[1]
+    dev = q.device
+    off = db.memo(("off", dev, a - c), lambda: torch.full((), a - c, device=dev, dtype=torch.int64))
+    inv_tau = db.memo(("inv_tau", dev, float(tau), bias.dtype),
+                      lambda: torch.full((), 1.0 / tau, device=dev, dtype=bias.dtype))
     mod = score_mod_for(bias, weight, off, inv_tau)
-    return kernel(q.device.type)(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+    return kernel(dev.type)(q, k, v, score_mod=mod, block_mask=bm, scale=scale)

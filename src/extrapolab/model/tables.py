@@ -55,6 +55,16 @@ class DistanceBias:
         self._hankels: dict = {}
         self._fp: list = []  # parameter fingerprint, computed once per forward
         self._starts: dict = {}  # id(pos) -> (pos, arange_start(pos)); pos kept alive
+        self._memo: dict = {}  # per-forward objects the layers share (see memo)
+
+    def memo(self, key, make):
+        """``make()`` once per forward for ``key``, shared by every layer: the flex path's block mask
+        of a learnable table and its 0-d offset / 1/tau tensors, built on the device without a
+        host-device synchronisation per layer."""
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = make()
+        return hit
 
     def starts(self, pos: torch.Tensor) -> int | None:
         """:func:`arange_start`, memoised (within this forward) for position tensors layers share."""
