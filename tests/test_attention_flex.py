@@ -12,6 +12,7 @@ from extrapolab.io import UserError
 from extrapolab.model import flex
 from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
+from flexspy import eager_dense_calls
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention")
 BIAS_SCHEMES = [n for n in positional.names() if positional.build(n, num_heads=1).has_bias]
@@ -139,9 +140,12 @@ def test_flex_on_cpu_with_input_gradients_is_a_one_line_error():
 
 
 # ---- CUDA: the path training and evaluation take there ------------------------------------------
-def _gpt(name):
+# head_dim 64 as the demo presets; lengths on both sides of FlexAttention's 128-block; each test
+# also asserts that torch's eager dense FlexAttention never ran and the compiled kernel has room.
+def _gpt(name, heads=4, head_dim=64):
     torch.manual_seed(0)
-    m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=64, heads=4, layers=2, train_length=256)).cuda()
+    m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=heads * head_dim, heads=heads, layers=2,
+                        train_length=1024)).cuda()
     with torch.no_grad():
         for p in m.scheme.parameters():
             p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(1)).cuda() * 0.5)
@@ -161,38 +165,61 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-12))
 
 
+def _flex_calls(monkeypatch) -> list:
+    calls, real = [], flex.flex_attention_path
+    monkeypatch.setattr(flex, "flex_attention_path", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", BIAS_SCHEMES)
 def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, monkeypatch):
-    """On CUDA a training step takes FlexAttention (auto) and matches the plain path: in fp32 to
-    fp32 rounding; in bf16 within twice the plain path's own bf16 error against fp32 (plus 1e-3)."""
+    """A training step through the compiled FlexAttention kernel matches the plain path at head_dim
+    64, below and above the 128-block: in fp32 to fp32 rounding; in bf16 within twice the plain
+    path's own bf16 error against fp32 (plus 1e-3)."""
+    dense = eager_dense_calls(monkeypatch)
+    calls = _flex_calls(monkeypatch)
     m = _gpt(name)
-    idx = torch.randint(0, 64, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    calls = []
-    real = flex.flex_attention_path
-    monkeypatch.setattr(flex, "flex_attention_path", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    o_ref, g_ref = _run(m, idx, "plain", torch.float32)
-    o, g = _run(m, idx, "auto", dtype)
-    assert len(calls) == 2, "auto did not take the FlexAttention path"  # one per layer
-    assert g.keys() == g_ref.keys() and any("scheme" in n for n in g) == m.scheme.learnable
-    if dtype == torch.float32:
-        assert _rel(o, o_ref) < 1e-5, name
-        for n, want in g_ref.items():
-            assert _rel(g[n], want) < 1e-4, (name, n, _rel(g[n], want))
-        return
-    o_low, g_low = _run(m, idx, "plain", dtype)
-    assert _rel(o, o_ref) <= 2 * _rel(o_low, o_ref) + 1e-3, name
-    for n, want in g_ref.items():
-        assert _rel(g[n], want) <= 2 * _rel(g_low[n], want) + 1e-3, (name, n, _rel(g[n], want), _rel(g_low[n], want))
+    for L in (100, 300):
+        idx = torch.randint(0, 64, (2, L), device="cuda", generator=torch.Generator("cuda").manual_seed(L))
+        o_ref, g_ref = _run(m, idx, "plain", torch.float32)
+        calls.clear()
+        o, g = _run(m, idx, "flex", dtype)
+        assert len(calls) == 2, "the flex path did not run"  # one per layer
+        assert g.keys() == g_ref.keys() and any("scheme" in n for n in g) == m.scheme.learnable
+        if dtype == torch.float32:
+            assert _rel(o, o_ref) < 1e-5, (name, L)
+            for n, want in g_ref.items():
+                assert _rel(g[n], want) < 1e-4, (name, L, n, _rel(g[n], want))
+        else:
+            o_low, g_low = _run(m, idx, "plain", dtype)
+            assert _rel(o, o_ref) <= 2 * _rel(o_low, o_ref) + 1e-3, (name, L)
+            for n, want in g_ref.items():
+                assert _rel(g[n], want) <= 2 * _rel(g_low[n], want) + 1e-3, (name, L, n)
+    assert dense == [], "torch's eager dense FlexAttention ran"
+    assert not flex.kernel("cuda").full
 
 
 @pytest.mark.gpu
-def test_cuda_auto_takes_flex_and_long_forward_has_no_LxL_tensor():
-    assert flex.supported("cuda", 16, torch.bfloat16)
+def test_cuda_auto_takes_flex_from_min_length_only(monkeypatch):
+    dense = eager_dense_calls(monkeypatch)
+    calls = _flex_calls(monkeypatch)
+    m = _gpt("alibi")
+    for L, want in ((64, 0), (flex.MIN_LENGTH, 2)):
+        calls.clear()
+        _run(m, torch.randint(0, 64, (2, L), device="cuda"), "auto", torch.bfloat16)
+        assert len(calls) == want, (L, len(calls))
+    assert dense == []
+
+
+@pytest.mark.gpu
+def test_cuda_auto_takes_flex_and_long_forward_has_no_LxL_tensor(monkeypatch):
+    dense = eager_dense_calls(monkeypatch)
+    assert flex.supported("cuda", 64, torch.bfloat16)
     s = positional.build("kerple-log", num_heads=4).cuda()
     L = 32768  # one [H, L, L] bf16 score tensor would be 8 GiB
-    q, k, v = (torch.randn(1, 4, L, 16, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, L, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     pos = torch.arange(L, device="cuda")
     with torch.no_grad():
         attend(q, k, v, pos, pos, s, 0, AttnOptions())  # compile and cache
@@ -202,7 +229,7 @@ def test_cuda_auto_takes_flex_and_long_forward_has_no_LxL_tensor():
         attend(q, k, v, pos, pos, s, 0, AttnOptions())
         torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 256 * 2**20
-    assert len(flex._COMPILED) == 1
+    assert len(flex._COMPILED) == 1 and dense == []
 
 
 @pytest.mark.slow
@@ -211,9 +238,8 @@ def test_compiled_flex_equals_reference_without_recompiling(monkeypatch):
     to the reference, and new temperatures, layers, offsets or schemes of the same form reuse the
     compiled graph (captured 0-d tensors, not constants). Compiling takes minutes on a small CPU."""
     from torch._dynamo.utils import counters
-    from torch.nn.attention.flex_attention import flex_attention
 
-    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled = flex.Compiled()
     monkeypatch.setattr(flex, "kernel", lambda device: compiled)
     graphs = []
     for name in ("alibi", "sliding-dilated", "kerple-bias-wht"):

@@ -8,12 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import numpy as np
+
+from extrapolab.config import resolve
+from extrapolab.model import flex
 from extrapolab.regular.plan import probe_run
 from extrapolab.regular.train import RegularRunConfig, load_run, run
 from extrapolab.sweep.runs import eval_run
 from extrapolab.sweep.sweep import run_sweep
 from extrapolab.train import placement
 
+from extrapolab.train import train
+from flexspy import eager_dense_calls
 from test_device import run as run  # noqa: F401  (the tiny trained run fixture)
 
 pytestmark = pytest.mark.gpu
@@ -60,3 +66,42 @@ def test_smoke_sweep_trains_and_evaluates_on_cuda(tmp_path):
     for (rd,) in con.execute("SELECT run_dir FROM runs"):
         summary = json.loads((Path(rd) / "summary.json").read_text())
         assert summary["device"].startswith("cuda")
+
+
+@pytest.fixture(scope="module", params=["alibi", "kerple-log"])
+def flex_run(request, tmp_path_factory):
+    """A tiny run at head_dim 64 whose evaluation lengths (>= flex.MIN_LENGTH) take FlexAttention on
+    CUDA: a parameter-free and a learnable bias."""
+    tmp = tmp_path_factory.mktemp("flexrun")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        (corpus / f"d{i:02d}.txt").write_text(" ".join(rng.choice(["ab", "cd", "ef", "gh"], 600)) + "\n")
+    L = flex.MIN_LENGTH
+    cfg = resolve(None, [f"data.corpus=path:{corpus}", "data.tokenizer=bytes", f"data.cache_dir={tmp / 'cache'}",
+                         "data.valid_percent=10", "data.test_percent=30", "model.layers=2", "model.heads=2",
+                         "model.dim=128", "model.train_length=128", f"model.scheme={request.param}", "name=r",
+                         f"out_dir={tmp}", "train.steps=4", "train.batch_size=4", "train.warmup_steps=1",
+                         "train.eval_batches=1", "train.device=cpu", f"eval.lengths=[{L},{2 * L}]",
+                         "eval.protocols=[nonoverlapping,last_token]", f"eval.num_tokens={4 * L}",
+                         "eval.last_token_n=4"])
+    train(cfg, tmp / "r", progress=False)
+    return tmp / "r"
+
+
+def test_flex_eval_on_cuda_matches_cpu_on_the_same_checkpoint(flex_run, monkeypatch):
+    """E1 and E3 through FlexAttention on CUDA (fp32, bf16) against the CPU's Toeplitz path."""
+    dense = eager_dense_calls(monkeypatch)
+    calls, real = [], flex.flex_attention_path
+    monkeypatch.setattr(flex, "flex_attention_path", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cpu = eval_run(flex_run, device="cpu", dtype="fp32")["result"]
+    assert not calls
+    gpu = eval_run(flex_run, device="cuda", dtype="fp32")["result"]
+    assert calls, "CUDA evaluation did not take the flex path"
+    bf16 = eval_run(flex_run, device="cuda", dtype="bf16")["result"]
+    for proto in ("nonoverlapping", "last_token"):
+        for L, v in cpu["ppl"][proto].items():
+            assert gpu["ppl"][proto][L] == pytest.approx(v, rel=1e-3), (proto, L)
+            assert bf16["ppl"][proto][L] == pytest.approx(v, rel=5e-2), (proto, L)
+    assert dense == [] and not flex.kernel("cuda").full
