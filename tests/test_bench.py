@@ -106,3 +106,67 @@ def test_unknown_scheme_and_bad_sizes_fail_in_one_line(tmp_path):
     with pytest.raises(UserError, match="bench group"):
         run_bench(["alibi"], model_cfg=TINY, groups=("nope",))
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bf16_bench_runs_under_autocast_and_never_pairs_with_fp32(monkeypatch):
+    """``--dtype bf16``: every timed call runs under bf16 autocast (the linear layers see it), the
+    precision is in each row's provenance, so a bf16 row is never divided by an fp32 one."""
+    import torch
+
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda *a, **kw: seen.append(torch.is_autocast_enabled("cpu")) or real(*a, **kw))
+    kw = dict(lengths_train=(16,), model_cfg=TINY, repeats=1, warmup=0, batch_tokens=32, threads=1,
+              groups=("train",), progress=False)
+    bf16 = run_bench(["alibi"], dtype="bf16", **kw)
+    assert seen and all(seen) and bf16["meta"]["precision"] == "bf16"
+    seen.clear()
+    fp32 = run_bench(["alibi"], dtype="fp32", **kw)
+    assert seen and not any(seen)
+    a, b = bf16["train"]["16"]["alibi"], fp32["train"]["16"]["none"]
+    assert '"precision": "bf16"' in a["config"]
+    with pytest.raises(ProvenanceError):
+        paired_ratio(a, b, "step_s")
+    with pytest.raises(UserError, match="--dtype fp16 needs a CUDA device"):
+        run_bench(["alibi"], dtype="fp16", **kw)
+
+
+def test_sweep_cost_pass_times_on_the_sweeps_device_and_precision(monkeypatch):
+    """sweep/cost.py hands the sweep's train.device / train.precision to the bench (a GPU sweep is
+    timed on its GPU in bf16, never on the CPU) and keys its stored pass on them."""
+    from extrapolab import config as C
+    from extrapolab.sweep import cost
+    from extrapolab.sweep.sweep import SchemeSpec
+
+    got = {}
+    monkeypatch.setattr(cost, "run_bench", lambda *a, **kw: got.update(kw) or {
+        "meta": {}, "train": {str(kw["lengths_train"][0]): {}}})
+    base = C.resolve(None, ["model.layers=1", "model.heads=2", "model.dim=16", "model.train_length=16",
+                            "train.device=cpu", "train.precision=bf16"])
+    res = cost.run_cost_bench(base, 64, [SchemeSpec("alibi")], rounds=1)
+    assert got["device"] == "cpu" and got["dtype"] == "bf16"
+    assert res["settings"]["precision"] == "bf16" and res["settings"]["device"] == "cpu"
+
+
+def test_bench_at_the_gpu_quick_preset_shape():
+    """`bench --preset gpu-quick`: the preset's GPT-2-small shape, vocabulary and schemes, train steps
+    at L_tr and 4x, long forwards at 16x and 64x L_tr (the issue's 512 / 2,048 and 32,768)."""
+    from extrapolab.perf.bench import as_specs, preset_settings
+
+    kw = preset_settings("gpu-quick")
+    m = kw["model_cfg"]
+    assert (m.layers, m.dim, m.heads, m.vocab_size, m.dropout) == (12, 768, 12, 8192, 0.0)
+    assert kw["lengths_train"] == (512, 2048) and kw["long_lengths"] == (8192, 32768) and kw["batch"] == 16
+    assert [s.label for s in as_specs(kw["schemes"])] == ["none", "rotary", "alibi", "t5", "kerple-log", "sandwich"]
+
+
+def test_bench_preset_and_quick_are_exclusive_and_unknown_preset_is_one_line():
+    from typer.testing import CliRunner
+
+    from extrapolab.cli.main import app
+
+    res = CliRunner().invoke(app, ["bench", "--quick", "--preset", "gpu-quick"])
+    assert res.exit_code == 2 and "--quick or --preset" in res.output
+    res = CliRunner().invoke(app, ["bench", "--preset", "nope-nope"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1

@@ -134,8 +134,9 @@ def sweep(
 @app.command()
 @friendly
 def demo(
-    preset: str = typer.Option("quick", "--preset", "-p", help="smoke (seconds) | quick (CPU, minutes) | "
-                               "full or paper (one GPU, ~1 h; Linux-source corpus, `make corpus-linux`)"),
+    preset: str = typer.Option("quick", "--preset", "-p", help="smoke (seconds) | quick (CPU, minutes) | gpu-quick (one GPU, "
+                               "short slots: resumable 9-minute commands) | full or paper (one GPU, ~1 h; "
+                               "Linux-source corpus, `make corpus-linux`)"),
     out: Path = typer.Option(Path("reports/demo"), "--out", help="report folder"),
     set_: Optional[List[str]] = SetOpt,
     device: str = DeviceOpt,
@@ -166,8 +167,11 @@ def report(
 @friendly
 def bench(
     quick: bool = typer.Option(False, "--quick", help="7 schemes, L_tr 128/512, one long length (4096)"),
+    preset: Optional[str] = typer.Option(None, "--preset", help="time at a demo preset's shape and schemes, e.g. "
+                                         "gpu-quick: L_tr and 4x L_tr train steps, 16x and 64x L_tr forwards"),
     schemes_: Optional[str] = typer.Option(None, "--schemes", help="comma-separated scheme names"),
     device: str = DeviceOpt,
+    dtype: str = DtypeOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default); the goals are stated at 2"),
     rounds: int = typer.Option(0, "--rounds", help="paired rounds per row (0 = the default, 9)"),
     out: Path = typer.Option(Path("reports/bench.json"), "--out", help="JSON output"),
@@ -176,12 +180,15 @@ def bench(
     regular_k: int = typer.Option(1, "--regular-K", help="RegularGPT thickness K for --regular"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
-    from ..io import atomic_write_json
-    from ..perf.bench import run_bench
+    from ..io import UserError, atomic_write_json
+    from ..perf.bench import preset_settings, run_bench
     from ..perf.regular_lm import bench_regular_lm, format_regular_lm
     from ..perf.table import format_table
 
-    kwargs = {"out_json": out, "quick": quick, "device": device, "threads": threads or None}
+    if quick and preset:
+        raise UserError("bench takes --quick or --preset, not both; drop one")
+    kwargs = {"out_json": out, "quick": quick, "device": device, "dtype": dtype, "threads": threads or None,
+              **(preset_settings(preset) if preset else {})}
     if rounds:
         kwargs["repeats"] = rounds
     if schemes_:

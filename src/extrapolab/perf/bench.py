@@ -29,12 +29,14 @@ from typing import Callable
 
 import torch
 
+from .. import config as C
 from .. import positional
 from ..io import UserError, atomic_write_json
 from ..memory import PeakMemory
 from ..model.attention import AttnOptions, attend, flush_denormals
 from ..model.gpt import GPT, KVCache, ModelConfig
 from ..model.tables import DistanceBias, is_toeplitz
+from ..train.step import autocast, resolve_precision
 from .timing import add_ratios, paired_ratio, provenance, round_robin, timed
 
 BASE = "none"
@@ -42,6 +44,22 @@ DEMO = ModelConfig(vocab_size=4096, layers=4, heads=4, dim=128, scheme=BASE)
 ROUNDS = 9  # paired rounds per row: a median's 95% interval within ±3% on an idle 2-core CPU
 QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64,
              schemes=("sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich", "windowed"))
+
+
+def preset_settings(name: str) -> dict:
+    """``run_bench`` keywords at a demo preset's shape (``extrapolab bench --preset gpu-quick``): its
+    model sizes and vocabulary, its schemes, its batch; train steps at L_tr and 4·L_tr, long
+    forwards at 16·L_tr and 64·L_tr (gpu-quick: 512, 2,048; 8,192, 32,768)."""
+    preset = name if name.startswith("demo-") or name.endswith((".yaml", ".yml")) else f"demo-{name}"
+    raw = C.load_preset(preset)
+    cfg = C.resolve(base=raw)
+    L = cfg.model.train_length
+    model = replace(ModelConfig(**{k: v for k, v in cfg.model.to_dict().items() if k in ModelConfig.__dataclass_fields__}),
+                    vocab_size=int(cfg.data.vocab_size), scheme=BASE, dropout=0.0)
+    schemes = [(s, s, {}) if isinstance(s, str) else (s.get("label") or s["name"], s["name"], dict(s.get("params") or {}))
+               for s in (raw.get("sweep") or {}).get("schemes", QUICK["schemes"])]
+    return {"model_cfg": model, "schemes": schemes, "lengths_train": (L, 4 * L), "long_lengths": (16 * L, 64 * L),
+            "batch": cfg.train.batch_size, "gen_window": L}
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,21 @@ class Context:
     warmup: int
     say: Callable[[str], None]
     opts: dict  # group options: lengths_train, batch_tokens, batch, parts, long_lengths, ...
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around every timed call, as training runs
+
+    def amp(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` run under this bench's autocast (fp32: unchanged)."""
+        if self.precision == "fp32":
+            return fn
+
+        def run():
+            with autocast(self.precision, self.device):
+                return fn()
+        return run
+
+    def prov(self, **sizes) -> dict:
+        """:func:`.timing.provenance` of a row: device, threads, precision and the model's sizes."""
+        return provenance(self.device, precision=self.precision, model=asdict(replace(self.cfg, scheme="")), **sizes)
 
 
 def _model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
@@ -133,7 +166,7 @@ def _train_jobs(ctx: Context, m: GPT, x, y, parts, B, L) -> dict[str, Callable]:
     jobs = {"step_s": step, "fwd_s": fwd}
     if "attn_s" in parts:
         jobs["attn_s"] = attention_only(m, B, L, grad=True)
-    return {k: v for k, v in jobs.items() if k in parts}
+    return {k: ctx.amp(v) for k, v in jobs.items() if k in parts}
 
 
 def bench_train(ctx: Context) -> dict:
@@ -151,7 +184,7 @@ def bench_train(ctx: Context) -> dict:
                     fn()
                 jobs[(s.label, part)] = fn
         times = round_robin(jobs, ctx.rounds, ctx.device)
-        prov = provenance(ctx.device, model=asdict(replace(ctx.cfg, scheme="")), L=L, batch=B, group="train")
+        prov = ctx.prov(L=L, batch=B, group="train")
         rows = {}
         for s in ctx.specs:
             with PeakMemory(ctx.device) as mem:  # one more step, untimed
@@ -183,7 +216,7 @@ def bench_long(ctx: Context) -> dict:
                 with torch.no_grad():
                     m(x, opts=opts)
 
-            attn = attention_only(m, 1, L, grad=False)
+            fwd, attn = ctx.amp(fwd), ctx.amp(attention_only(m, 1, L, grad=False))
             ctx.say(f"long L={L}: {s.label} warm-up at this length")
             with PeakMemory(ctx.device) as mem:  # the warm-up forward is the memory probe
                 fwd()
@@ -192,7 +225,7 @@ def bench_long(ctx: Context) -> dict:
             mems[s.label] = (mem.mib, mem.abs_mib, window_limited(m, L))
         ctx.say(f"long L={L}: {len(mems)} schemes x {rounds} rotated rounds")
         times = round_robin(jobs, rounds, ctx.device)
-        prov = provenance(ctx.device, model=asdict(replace(ctx.cfg, scheme="")), L=L, batch=1, group="long")
+        prov = ctx.prov(L=L, batch=1, group="long")
         for label, (mib, abs_mib, sparse) in mems.items():
             rows[label] = {**prov, "peak_mib": mib, "peak_abs_mib": abs_mib, "sparse": sparse,
                            "fwd_s": times[(label, "fwd_s")], "attn_s": times[(label, "attn_s")]}
@@ -218,7 +251,7 @@ def bench_generation(ctx: Context) -> dict:
             continue
         toks = torch.randint(0, ctx.cfg.vocab_size, (1, end + 1), generator=torch.Generator().manual_seed(1)).to(dev)
         per_tok = {}
-        with torch.no_grad():
+        with torch.no_grad(), autocast(ctx.precision, dev):
             cache = KVCache(ctx.cfg.layers, window=window)
             m(toks[:, :window], positions=torch.arange(window, device=dev), cache=cache)
             for t in range(window, end + 1):
@@ -258,7 +291,7 @@ def bench_denormals(ctx: Context) -> dict:
                     before[label](), jobs[label]()
         ctx.say(f"denormals L={L}, batch {B}, 1 thread: 4 rows x {ctx.rounds} rounds")
         times = round_robin(jobs, ctx.rounds, ctx.device, before)
-        prov = provenance(ctx.device, model=asdict(replace(ctx.cfg, scheme="")), L=L, batch=B, group="denormals")
+        prov = ctx.prov(L=L, batch=B, group="denormals")
     finally:
         flush_denormals(True)
         torch.set_num_threads(threads)
@@ -286,8 +319,11 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
               gen_window: int = 256, out_json=None, *, quick: bool = False, batch_tokens: int = 4096,
               long_repeats: int = 3, gen_probes=(1, 2, 4, 8), gen_reps: int = 8, threads: int | None = None,
               device: str = "cpu", groups=None, batch: int | None = None, flush: bool = True,
-              progress: bool = True) -> dict:
-    """Measure every scheme (default: all registered) in one process; write ``out_json`` if given."""
+              progress: bool = True, dtype: str = "fp32") -> dict:
+    """Measure every scheme (default: all registered) in one process; write ``out_json`` if given.
+
+    ``dtype`` fp32 | bf16 | fp16 | auto: every timed call runs under that autocast, as training does
+    (``auto``: bf16 on a GPU that supports it, fp32 on the CPU)."""
     if quick:
         lengths_train, long_lengths, gen_window = QUICK["lengths_train"], QUICK["long_lengths"], QUICK["gen_window"]
     specs = as_specs(schemes or (QUICK["schemes"] if quick else positional.names()))
@@ -301,6 +337,7 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
                        "cpu" if device == "auto" else device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda but torch sees no CUDA device; use --device cpu")
+    precision = resolve_precision(dtype, dev, what="--dtype")
     cfg = model_cfg or DEMO
     gen_end = gen_window * max(gen_probes) + gen_reps if "generation" in groups else 0
     cfg = replace(cfg, train_length=max(cfg.train_length, *lengths_train, gen_end))
@@ -310,10 +347,11 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
         flush_denormals(True)  # every row but `denormals` runs as the CLI and the trainer do
     ctx = Context(specs, cfg, dev, int(repeats), int(warmup), _stderr if progress else (lambda m: None),
                   dict(lengths_train=tuple(lengths_train), long_lengths=tuple(long_lengths), batch_tokens=batch_tokens,
-                       long_repeats=long_repeats, batch=batch, gen_window=gen_window, gen_probes=gen_probes, gen_reps=gen_reps))
+                       long_repeats=long_repeats, batch=batch, gen_window=gen_window, gen_probes=gen_probes, gen_reps=gen_reps),
+                  precision)
     t0 = time.time()
     res = {"meta": {
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(dev),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(dev), "precision": precision,
         "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "pid": os.getpid(),
         "model": asdict(cfg), "repeats": ctx.rounds, "warmup": ctx.warmup, "long_repeats": max(3, long_repeats),
         "batch_tokens": batch_tokens, "flush_denormals": dev.type == "cpu" and flush,

@@ -119,7 +119,7 @@ FORMATTERS = {
 def format_table(result: dict) -> str:
     """Markdown tables of a :func:`extrapolab.perf.bench.run_bench` result, then the goals."""
     meta = result["meta"]
-    lines = [f"torch {meta['torch']} on {meta['device']}, {meta['threads']} threads, {meta['cpus']} CPUs, one "
+    lines = [f"torch {meta['torch']} on {meta['device']} ({meta.get('precision', 'fp32')}), {meta['threads']} threads, {meta['cpus']} CPUs, one "
              f"process (pid {meta['pid']}); {meta['repeats']} rotated rounds (long context: {meta['long_repeats']}); "
              f"×NoPE = median of per-round paired ratios to {meta['baseline']} (min–max over rounds; ~ = the "
              f"median's 95% interval is wider than ±{TOLERANCE:.0%}); memory = {meta['memory']}; load average "

@@ -2,8 +2,10 @@
 
 Ratios across sweep runs would divide timings of different pool workers, taken under different
 load and in run order, so the sweep measures its schemes again with :func:`extrapolab.perf.bench`
-at the sweep's own model config (sizes, vocabulary, L_tr, batch), interleaved and paired per round
-against NoPE, and stores the result in results.sqlite (meta ``cost_bench``) for the report.
+at the sweep's own model config (sizes, vocabulary, L_tr, batch), on the device and in the precision
+the runs trained with (``train.device`` / ``train.precision``: a GPU sweep is timed on its GPU under
+bf16 autocast, never on the CPU), interleaved and paired per round against NoPE, and stores the
+result in results.sqlite (meta ``cost_bench``) for the report.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from .. import config as C
 from ..model.gpt import ModelConfig
 from ..perf.bench import as_specs, run_bench
+from ..train.placement import run_placement
 
 WARMUP = 1  # rounds (sweep.cost_rounds, 7 by default) are one step per scheme each: seconds at demo size
 
@@ -24,8 +27,9 @@ def bench_settings(base: C.RunConfig, vocab_size: int, schemes, rounds: int) -> 
     model = replace(ModelConfig(**{k: v for k, v in asdict(base.model).items() if k in ModelConfig.__dataclass_fields__}),
                     vocab_size=int(vocab_size))
     specs = [(s.label, s.name, dict(s.params)) for s in schemes]
+    place = run_placement(base.train)
     return {"model": asdict(model), "batch": base.train.batch_size, "L": base.model.train_length,
-            "schemes": specs, "rounds": int(rounds)}
+            "schemes": specs, "rounds": int(rounds), "device": str(place.device), "precision": place.precision}
 
 
 def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, workers: int = 1, rounds: int = 7,
@@ -38,9 +42,9 @@ def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, workers: int = 1
     before = torch.get_num_threads()
     specs = as_specs([tuple(s) for s in st["schemes"]])
     say(f"cost: one bench pass over {len(specs)} schemes (NoPE the baseline) at L_tr = {st['L']}, batch {st['batch']}, "
-        f"{threads} threads, {rounds} rounds (one process; ratios paired per round)")
+        f"on {st['device']} ({st['precision']}), {threads} threads, {rounds} rounds (one process; ratios paired per round)")
     try:
-        res = run_bench(specs, lengths_train=(st["L"],), model_cfg=model,
+        res = run_bench(specs, lengths_train=(st["L"],), model_cfg=model, device=st["device"], dtype=st["precision"],
                         repeats=rounds, warmup=WARMUP, threads=threads, groups=("train",),
                         batch=st["batch"], flush=base.train.flush_denormals, progress=False)
     finally:
