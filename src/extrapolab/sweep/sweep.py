@@ -67,6 +67,9 @@ class SweepSpec:
     workers: int = 1  # runs trained in parallel processes (threads split between them)
     cost_rounds: int = 7  # paired rounds of the cost bench pass after training
     models: list[ModelSpec] = field(default_factory=list)  # hf: models evaluated next to the runs
+    #: stop between runs when the next would end past this many seconds of the invocation (0: no
+    #: limit); the same command resumes the rest, so a sweep fits jobs of a short GPU slot
+    time_budget_s: float = 0.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
@@ -93,7 +96,11 @@ class SweepSpec:
         if workers < 1 or rounds < 1:
             raise UserError(f"sweep.workers and sweep.cost_rounds must be >= 1, got {workers} and {rounds}")
         models = [ModelSpec.parse(m) for m in d.get("models") or []]
-        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, rounds, models)
+        budget_s = float(d.get("time_budget_s") or 0)
+        if budget_s < 0 or (budget_s and workers > 1):
+            raise UserError(f"sweep.time_budget_s={budget_s:g} needs a value >= 0 and sweep.workers=1 "
+                            f"(got workers={workers}); pass --set sweep.workers=1 or --set sweep.time_budget_s=0")
+        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, rounds, models, budget_s)
 
 
 def load_sweep(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, SweepSpec]:
@@ -169,10 +176,18 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
         db.mark(rid, dataset=dataset, scheme=scheme.name, label=scheme.label, seed=seed,
                 status="queued", run_dir=str(out / "runs" / rid), config=cfg.to_dict())
         jobs.append((str(out), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}"))
+    left = 0  # runs the time budget left for the next invocation
     with Monitor(out, [j[1] for j in jobs], base.train.steps, workers, enabled=progress) as mon:
         if workers == 1:
-            for job in jobs:
+            took = run_seconds(db)  # what one run took here before: the budget's estimate of the next
+            for n, job in enumerate(jobs):
+                # every invocation starts at least one run (a killed one resumes from its checkpoint)
+                if n and spec.time_budget_s and time.time() - t0 + max(took) > spec.time_budget_s:
+                    left = len(jobs) - n
+                    break
+                t1 = time.time()
                 mon.say(_run_job(job, False))
+                took.append(time.time() - t1)
         else:  # independent runs in parallel processes; each records its own rows in one transaction
             head, last = (jobs[:-tail], jobs[-tail:]) if tail else (jobs, [])
             ctx = multiprocessing.get_context("spawn")
@@ -183,14 +198,30 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
                                          initargs=(os.getpid(),)) as pool:
                     for fut in as_completed([pool.submit(_run_job, job, False) for job in group]):
                         mon.say(fut.result())
-        evaluate_models(out, base, spec, db, False)
-        mon.phase = "cost: one bench pass over the schemes (seconds to a minute)"
-        cost = cost_section(db, base, spec, vocab, mon.say)
+        cost = None
+        if left:
+            mon.say(f"time budget: {left} of {len(grid)} runs left after {time.time() - t0:.0f} s of "
+                    f"sweep.time_budget_s={spec.time_budget_s:g}; run the same command again to continue")
+        else:
+            evaluate_models(out, base, spec, db, False)
+            mon.phase = "cost: one bench pass over the schemes (seconds to a minute)"
+            cost = cost_section(db, base, spec, vocab, mon.say)
     wall = time.time() - t0
     db.set_meta(last_wall_s=wall, **({"cost_bench": cost} if cost else {}))
     report = rebuild_report(out, wall_s=wall)
     db.close()
-    return {"report": report, "wall_s": wall, "out": out}
+    return {"report": report, "wall_s": wall, "out": out, "runs_left": left}
+
+
+def run_seconds(db: ResultsDB) -> list[float]:
+    """Wall seconds (training + evaluation + analysis) of the finished runs recorded in ``db``."""
+    out = []
+    for r in db.runs(status="done"):
+        sm = r["summary"]
+        total = sum(float(sm.get(k) or 0) for k in ("wall_seconds", "eval_wall_s", "analysis_wall_s"))
+        if total > 0:
+            out.append(total)
+    return out
 
 
 def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict, say) -> dict | None:
