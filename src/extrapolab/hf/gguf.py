@@ -65,10 +65,8 @@ def _value(field):
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
 
-def read_gguf(path) -> dict:
-    """The file's metadata (no weights): architecture, quantisation types, the keys of ``ARCH_KEYS``.
-    Raises a one-line UserError for a file that is not GGUF or is truncated (see module doc)."""
-    path = Path(path)
+def check_magic(path: Path) -> None:
+    """One line unless ``path`` is a readable file starting with the GGUF magic."""
     try:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -76,6 +74,13 @@ def read_gguf(path) -> dict:
         raise UserError(f"cannot read {path} ({e.strerror}); {NOT_GGUF}") from None
     if head != MAGIC:
         raise UserError(f"{path} is not a GGUF file (it starts with {head!r}, not {MAGIC!r}); {NOT_GGUF}")
+
+
+def read_gguf(path) -> dict:
+    """The file's metadata (no weights): architecture, quantisation types, the keys of ``ARCH_KEYS``.
+    Raises a one-line UserError for a file that is not GGUF or is truncated (see module doc)."""
+    path = Path(path)
+    check_magic(path)
     try:
         import gguf
     except ImportError:
@@ -161,7 +166,10 @@ def _convert(tr, path: Path, tmp: Path, record: dict) -> None:
             del config.quantization_config  # the folder holds plain float weights
         config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        atomic_write_json(tmp / "gguf.json", {**record, "format": FORMAT, "transformers": tr.__version__})
+        from importlib.metadata import version
+
+        atomic_write_json(tmp / "gguf.json", {**record, "format": FORMAT, "converted_with": {
+            "transformers": tr.__version__, "gguf": version("gguf"), "dtype": "float32"}})
         for f in tmp.iterdir():
             fsync_path(f)
     except OSError as e:  # disk full, quota, read-only cache
@@ -169,12 +177,13 @@ def _convert(tr, path: Path, tmp: Path, record: dict) -> None:
                         "free disk space or set data.cache_dir to a writable folder") from None
 
 
-def _complete(folder: Path, digest: str) -> bool:
+def _cached(folder: Path, digest: str) -> dict | None:
+    """The record of a complete converted folder for ``digest``, else None."""
     try:
         rec = json.loads((folder / "gguf.json").read_text())
     except (OSError, ValueError):
-        return False
-    return rec.get("sha256") == digest and rec.get("format") == FORMAT
+        return None
+    return rec if rec.get("sha256") == digest and rec.get("format") == FORMAT else None
 
 
 def _made_dirs(path: Path) -> list[Path]:
@@ -191,18 +200,25 @@ def _made_dirs(path: Path) -> list[Path]:
 def gguf_folder(path, cache_dir, tr) -> tuple[Path, dict]:
     """(plain model folder of GGUF file ``path``, its record); converts once per sha256 (module doc)."""
     path = Path(path)
-    info = read_gguf(path)
+    check_magic(path)
     digest = sha256_file(path)
-    record = {**info, "sha256": digest}
     root = Path(cache_dir) / SUBDIR
     folder = root / digest[:16]
-    if _complete(folder, digest):
-        return folder, {**record, "cache": "hit", "folder": str(folder)}
-    _check_architecture(tr, path, info["metadata"])
+
+    def found(rec, how="hit"):  # same bytes: the stored record, with this file's name
+        keep = {k: v for k, v in rec.items() if k != "format"}
+        return folder, {**keep, "file": str(path.resolve()), "cache": how, "folder": str(folder)}
+
+    rec = _cached(folder, digest)
+    if rec:
+        return found(rec)
+    record = {**read_gguf(path), "sha256": digest}
+    _check_architecture(tr, path, record["metadata"])
     created = _made_dirs(root)
     try:
         with file_lock(root / f".{digest[:16]}.lock", wait=None, owner=f"converting {path.name}"):
-            if not _complete(folder, digest):  # another process may have finished it meanwhile
+            rec = _cached(folder, digest)  # another process may have finished it meanwhile
+            if not rec:
                 for stale in root.glob(f".{digest[:16]}.tmp-*"):  # left by a killed build
                     shutil.rmtree(stale, ignore_errors=True)
                 tmp = root / f".{digest[:16]}.tmp-{os.getpid()}"
@@ -217,7 +233,7 @@ def gguf_folder(path, cache_dir, tr) -> tuple[Path, dict]:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
-                return folder, {**record, "cache": "converted", "folder": str(folder)}
+                return found(_cached(folder, digest), "converted")
     except BaseException:
         for d in created:  # nothing left in the cache by a failed first conversion
             try:
@@ -225,4 +241,4 @@ def gguf_folder(path, cache_dir, tr) -> tuple[Path, dict]:
             except OSError:
                 break
         raise
-    return folder, {**record, "cache": "hit", "folder": str(folder)}
+    return found(rec)
