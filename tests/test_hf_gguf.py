@@ -146,20 +146,48 @@ def test_window_prefix_is_the_tokenizers_bos(tmp_path):
         m.check_length(MAXPOS)
 
 
-def test_eval_cli_on_a_gguf_file(tmp_path):
+def test_every_hf_verb_takes_a_gguf_file(tmp_path, monkeypatch):
+    """eval, align, align retrieval, analyze erf and a sweep's models: on hf:FILE.gguf, one conversion."""
+    import yaml
+
     from extrapolab.cli.main import app
+    from extrapolab.report.db import ResultsDB
 
     path, _ = write_tiny_gguf(tmp_path / "cli.gguf", "Q8_0")
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(24):
         (docs / f"d{i:02d}.txt").write_text(f"doc {i}\n" + TEXT[i * 40:] + TEXT[: i * 40])
+    monkeypatch.chdir(tmp_path)  # `align retrieval` reads no config: the default ./.extrapolab-cache
+    data = [f"data.corpus=path:{docs}", "data.test_percent=40", "data.valid_percent=10"]
+    sets = [x for kv in data for x in ("--set", kv)]
     out = tmp_path / "out"
-    args = ["eval", f"hf:{path}", "--lengths", "16,32", "--protocol", "nonoverlapping", "--out", out,
-            "--device", "cpu", "--set", f"data.corpus=path:{docs}", "--set", f"data.cache_dir={tmp_path / 'c'}",
-            "--set", "data.test_percent=40", "--set", "data.valid_percent=10"]
-    r = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+
+    def run(*args):
+        r = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    run("eval", f"hf:{path}", "--lengths", "16,32", "--protocol", "nonoverlapping", "--out", out, "--device", "cpu",
+        *sets)
     rec = json.loads((out / "eval.json").read_text())
     assert rec["model"]["gguf"]["quantization"]["Q8_0"] > 0 and rec["model"]["name"] == "cli"
-    assert (tmp_path / "c" / "gguf" / rec["model"]["gguf"]["sha256"][:16] / "model.safetensors").is_file()
+    run("align", f"hf:{path}", "--lengths", "96", "--segments", "1", "--out", out, "--device", "cpu", *sets)
+    assert json.loads((out / "temperature.json").read_text())["model"]["gguf"]["sha256"] == rec["model"]["gguf"]["sha256"]
+    run("align", "retrieval", f"hf:{path}", "--lengths", "64", "--depths", "0.5", "--n", "1", "--out", out,
+        "--device", "cpu", "--no-preamble")
+    assert json.loads((out / "retrieval-passkey.json").read_text())["records"]
+    erf = json.loads(run("analyze", "erf", f"hf:{path}", "--length", "33", "--segments", "2", "--out", tmp_path / "e",
+                         "--json", "--device", "cpu", *sets))["runs"][0]
+    assert erf["L_ex"] == 33 and erf["name"] == "hf:cli"
+    cfg = {"name": "mix", "out_dir": str(tmp_path), "model": {"layers": 1, "heads": 2, "dim": 16, "train_length": 32},
+           "data": {"tokenizer": "bytes", **{kv.split("=", 1)[0][5:]: kv.split("=", 1)[1] for kv in data}},
+           "train": {"steps": 2, "batch_size": 2, "warmup_steps": 1, "eval_every": 2, "eval_batches": 1,
+                     "checkpoint_every": 2, "precision": "fp32", "device": "cpu"},
+           "eval": {"protocols": ["nonoverlapping"], "lengths": [32, 64], "num_tokens": 256},
+           "sweep": {"schemes": ["alibi"], "seeds": [0], "datasets": [f"path:{docs}"], "models": [f"hf:{path}"]}}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(cfg))
+    run("sweep", tmp_path / "mix.yaml", "--out", tmp_path / "sw")
+    assert {row[2] for row in ResultsDB(tmp_path / "sw" / "results.sqlite").scalars("nonoverlapping")} == \
+        {"alibi", "hf:cli.gguf"}
+    assert os.listdir(tmp_path / ".extrapolab-cache" / "gguf") == [rec["model"]["gguf"]["sha256"][:16]]
