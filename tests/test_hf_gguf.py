@@ -173,7 +173,8 @@ def test_every_hf_verb_takes_a_gguf_file(tmp_path, monkeypatch):
     rec = json.loads((out / "eval.json").read_text())
     assert rec["model"]["gguf"]["quantization"]["Q8_0"] > 0 and rec["model"]["name"] == "cli"
     run("align", f"hf:{path}", "--lengths", "96", "--segments", "1", "--out", out, "--device", "cpu", *sets)
-    assert json.loads((out / "temperature.json").read_text())["model"]["gguf"]["sha256"] == rec["model"]["gguf"]["sha256"]
+    tau = json.loads((out / "temperature.json").read_text())
+    assert tau["model"]["gguf"]["sha256"] == rec["model"]["gguf"]["sha256"]
     run("align", "retrieval", f"hf:{path}", "--lengths", "64", "--depths", "0.5", "--n", "1", "--out", out,
         "--device", "cpu", "--no-preamble")
     assert json.loads((out / "retrieval-passkey.json").read_text())["records"]

@@ -37,7 +37,8 @@ PREFIX = "hf:"
 #: model_type -> how it encodes positions (families the tests build; see module doc for others)
 POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt": "learned",
              "gpt_neox": "rope", "llama": "rope", "mistral": "rope", "qwen2": "rope", "qwen3": "rope",
-             "gptj": "rope", "phi3": "rope", "gemma": "rope", "bloom": "alibi", "mpt": "alibi"}
+             "gptj": "rope", "phi3": "rope", "gemma": "rope", "gemma2": "rope", "gemma3_text": "rope",
+             "bloom": "alibi", "mpt": "alibi"}
 ROPE_KINDS = ("linear", "dynamic", "yarn", "ntk", "llama3")
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
