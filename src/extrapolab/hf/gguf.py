@@ -89,12 +89,14 @@ def read_gguf(path) -> dict:
     size = path.stat().st_size
     try:
         reader = gguf.GGUFReader(str(path))
-        fields = {k: f for k, f in reader.fields.items()}
+        fields = reader.fields
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     except (ValueError, IndexError, KeyError, OverflowError, OSError, EOFError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is a truncated or damaged GGUF file ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'unreadable header'}); {DAMAGED}") from None
-    if end > size or not reader.tensors:
+    if not reader.tensors:
+        raise UserError(f"{path} is a GGUF file without weights (no tensors); pass the model's full GGUF file")
+    if end > size:
         raise UserError(f"{path} is a truncated GGUF file ({size:,} bytes, its tensors need {end:,}); {DAMAGED}")
     meta = {k: _value(fields[key]) for k, key in GENERAL_KEYS.items() if key in fields}
     arch = meta.get("architecture", "")
