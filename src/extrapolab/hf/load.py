@@ -1,6 +1,8 @@
-"""Load a Hugging Face causal LM + tokenizer from a local folder (``hf:PATH``); never a download.
+"""Load a Hugging Face causal LM + tokenizer from a local folder or GGUF file (``hf:PATH``); never a download.
 
-``from_pretrained(path, local_files_only=True)`` for config, weights and tokenizer. What the
+``from_pretrained(path, local_files_only=True)`` for config, weights and tokenizer; a GGUF file
+(llama.cpp) is converted once into a plain folder under ``<cache_dir>/gguf/`` and loaded from there
+(:mod:`.gguf`; the run record's ``gguf`` block says which file, sha256 and quantisation). What the
 rest of extrapolab needs to know about the model is read from its config once, here:
 
 * ``positions`` -- how it encodes position: ``learned`` (GPT-2 ``n_positions``, OPT, GPT-Neo:
@@ -35,7 +37,8 @@ PREFIX = "hf:"
 #: model_type -> how it encodes positions (families the tests build; see module doc for others)
 POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt": "learned",
              "gpt_neox": "rope", "llama": "rope", "mistral": "rope", "qwen2": "rope", "qwen3": "rope",
-             "gptj": "rope", "phi3": "rope", "gemma": "rope", "bloom": "alibi", "mpt": "alibi"}
+             "gptj": "rope", "phi3": "rope", "gemma": "rope", "gemma2": "rope", "gemma3_text": "rope",
+             "bloom": "alibi", "mpt": "alibi"}
 ROPE_KINDS = ("linear", "dynamic", "yarn", "ntk", "llama3")
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
@@ -46,7 +49,7 @@ class HFModel:
 
     model: torch.nn.Module
     tokenizer: object
-    path: Path
+    path: Path  # what hf: named: the folder, or the GGUF file (its converted folder is in info["gguf"])
     name: str
     family: str  # config.model_type
     positions: str  # learned | rope | alibi | unknown
@@ -68,12 +71,13 @@ def is_hf_spec(spec) -> bool:
 
 
 def hf_path(spec) -> Path:
-    """``hf:PATH`` (or a bare folder) -> Path of a folder holding config.json, else one-line error."""
+    """``hf:PATH`` (or a bare path) -> a folder holding config.json or a file (a GGUF, checked when
+    loaded), else one-line error."""
     text = str(spec)
     path = Path(text[len(PREFIX):] if text.startswith(PREFIX) else text).expanduser()
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path} is not a Hugging Face model folder (no config.json); pass hf:DIR with a folder "
-                        "written by save_pretrained (extrapolab never downloads)")
+    if not (path.is_file() or (path / "config.json").is_file()):
+        raise UserError(f"{path} is neither a Hugging Face model folder (no config.json) nor a GGUF file; pass "
+                        "hf:DIR with a folder written by save_pretrained or hf:FILE.gguf (extrapolab never downloads)")
     return path
 
 
@@ -183,15 +187,25 @@ def _quiet(tr):
 
 
 def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", attn: str = "sdpa",
-            rope: str | None = None, train_length: int | None = None) -> HFModel:
-    """Model (eval mode, on ``device``) + tokenizer from the local folder of ``spec``.
+            rope: str | None = None, train_length: int | None = None, cache_dir=None) -> HFModel:
+    """Model (eval mode, on ``device``) + tokenizer from the local folder or GGUF file of ``spec``.
 
     ``attn``: HF ``attn_implementation``; ``sdpa`` (never an L x L tensor for the RoPE / GPT-2
     families) falls back to ``eager`` where the family has only that (BLOOM, MPT); alignment
-    statistics need ``eager`` (attention probabilities).
+    statistics need ``eager`` (attention probabilities). ``cache_dir``: where a GGUF file's
+    converted folder lives (default ``data.cache_dir``'s default, ``.extrapolab-cache``).
     """
     tr = _transformers()
-    path = hf_path(spec)
+    source = hf_path(spec)
+    gguf = None
+    if source.is_file():
+        from ..config import DataConfig
+        from .gguf import gguf_folder
+
+        with _quiet(tr):
+            path, gguf = gguf_folder(source, cache_dir or DataConfig.cache_dir, tr)
+    else:
+        path = source
     if not isinstance(device, torch.device):
         from ..train.dist import resolve_device
 
@@ -215,8 +229,10 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
     kind = position_kind(config, model)
     L_tr = int(train_length) if train_length else config_train_length(config)
     max_len = config_train_length(config) if kind == "learned" else None
-    return HFModel(model=model, tokenizer=tok, path=path, name=path.name, family=config.model_type,
-                   positions=kind, train_length=L_tr, max_length=max_len,
-                   attn_implementation=getattr(model.config, "_attn_implementation", attn), rope=rope,
-                   info={"rope_parameters": rope_params, "dtype": str(torch_dtype).replace("torch.", ""),
-                         "device": str(device), "parameters": sum(p.numel() for p in model.parameters())})
+    info = {"rope_parameters": rope_params, "dtype": str(torch_dtype).replace("torch.", ""),
+            "device": str(device), "parameters": sum(p.numel() for p in model.parameters())}
+    if gguf is not None:
+        info["gguf"] = gguf
+    return HFModel(model=model, tokenizer=tok, path=source, name=source.stem if gguf else source.name,
+                   family=config.model_type, positions=kind, train_length=L_tr, max_length=max_len,
+                   attn_implementation=getattr(model.config, "_attn_implementation", attn), rope=rope, info=info)

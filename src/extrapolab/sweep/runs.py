@@ -93,7 +93,8 @@ def eval_hf(spec: str, *, protocols=None, lengths=None, temperature: str = "1.0"
     ecfg = cfg.eval
     ecfg.protocols = check_hf_protocols(list(protocols) if protocols else ecfg.protocols)
     ecfg.lengths = _lengths(lengths) or ecfg.lengths
-    model = open_hf(spec, device=device, dtype=dtype, rope=rope, train_length=train_length)
+    model = open_hf(spec, device=device, dtype=dtype, rope=rope, train_length=train_length,
+                    cache_dir=cfg.data.cache_dir)
     L_tr = model.loaded.train_length
     if not L_tr:
         raise UserError(f"{spec} names no pre-training length in its config; pass --train-length")

@@ -302,7 +302,7 @@ def evaluate_models(out: Path, base: C.RunConfig, spec: SweepSpec, db: ResultsDB
             _say(progress, f"{rid}: evaluating {m.source}")
             t = time.time()
             model = open_hf(m.source, device=cfg.train.device, dtype="fp32", rope=m.rope,
-                            train_length=m.train_length)
+                            train_length=m.train_length, cache_dir=cfg.data.cache_dir)
             res = evaluate_hf(model, hf_split(cfg.data, model.loaded.tokenizer, cfg.eval.split), cfg.eval,
                               model.loaded.train_length or cfg.model.train_length)
             run_dir.mkdir(parents=True, exist_ok=True)

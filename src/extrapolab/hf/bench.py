@@ -1,0 +1,110 @@
+"""What our E1 costs on a Hugging Face model against a bare transformers forward, in one process.
+
+``extrapolab bench --hf hf:PATH --lengths 16384``: for each length L, the windows E1
+(nonoverlapping, docs/protocols.md) scores on a seeded random token stream (``windows``
+consecutive L-token chunks, one per batch) are run two ways:
+
+* ``e1``: ``eval.nonoverlapping`` through :class:`~.adapter.HFCausalLM` -- the final hidden states
+  once, then the vocabulary in blocks of positions (eval/core.py), NLL summed in float64;
+* ``bare``: ``model(input_ids=window, use_cache=False)`` of transformers under inference mode on
+  exactly the ids our E1 feeds (the window prefix included, hf/adapter.py): the full [L, V] logits
+  and nothing else, the number a user would time as "one forward".
+
+The timing rules are the bench's (perf/timing.py): both jobs in this process, rounds in rotated
+order, the ratio is the median of the per-round ratios e1 / bare with their min-max. Memory: the
+first (untimed, warm-up) call of each job runs inside ``extrapolab.memory.PeakMemory``: peak RSS of
+the process (absolute, weights included) and its increase over the level before the call. The goals
+of the real-model study: E1 within 1.10x of the bare forward, and E1 on SmolLM2-135M at 16,384
+tokens under 2.5 GiB peak RSS (its [L, V] fp32 logit matrix alone is 3.2 GB).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ..eval import nonoverlapping
+from ..io import UserError
+from ..memory import PeakMemory
+from ..perf.timing import fmt_ratio, paired_ratio, provenance, round_robin
+from .adapter import open_hf
+
+GOAL_RATIO = 1.10
+GOAL_RSS_GIB = 2.5
+
+
+def bench_hf_eval(spec: str, lengths=(2048,), *, windows: int = 1, rounds: int = 3, device: str = "cpu",
+                  dtype: str = "fp32", threads: int | None = None, cache_dir=None, seed: int = 0,
+                  say=lambda m: None) -> dict:
+    """{"meta": {...}, "rows": {str(L): {e1_s, bare_s (per round), ratio, e1/bare peak RSS, ppl}}}."""
+    if rounds < 1 or windows < 1 or not lengths or min(int(L) for L in lengths) < 2:
+        raise UserError(f"bench --hf needs rounds >= 1, windows >= 1 and lengths >= 2; got rounds={rounds}, "
+                        f"windows={windows}, lengths={list(lengths)}")
+    if threads:
+        torch.set_num_threads(int(threads))
+    t0 = time.perf_counter()
+    model = open_hf(spec, device=device, dtype=dtype, cache_dir=cache_dir)
+    load_s = time.perf_counter() - t0
+    dev = next(model.parameters()).device
+    V, pre = model.cfg.vocab_size, list(model.prefix)
+    rows = {}
+    for L in map(int, lengths):
+        model.check_length(L)
+        g = torch.Generator().manual_seed(seed + L)
+        stream = torch.randint(0, V, (windows * L + 1,), generator=g).numpy().astype(np.int64)  # [T]
+        inputs = [torch.tensor([pre + stream[s:s + L].tolist()], device=dev) for s in range(0, windows * L, L)]
+
+        def e1():
+            return nonoverlapping(model, stream, L, batch_size=1)
+
+        def bare():
+            with torch.inference_mode():
+                for x in inputs:  # [1, P+L] each
+                    model.hf(input_ids=x, use_cache=False)
+
+        say(f"bench --hf L={L}: warm-up + memory probe of both jobs")
+        with PeakMemory(dev) as m_bare:
+            bare()
+        with PeakMemory(dev) as m_e1:
+            res = e1()
+        say(f"bench --hf L={L}: {rounds} rotated rounds of e1 and bare")
+        times = round_robin({"e1": e1, "bare": bare}, rounds, dev)
+        prov = provenance(dev, L=L, windows=windows, model=spec, dtype=dtype)
+        rows[str(L)] = {"windows": windows, "e1_s": times["e1"], "bare_s": times["bare"],
+                        "ratio": paired_ratio({**prov, "s": times["e1"]}, {**prov, "s": times["bare"]}, "s"),
+                        "e1_peak_mib": m_e1.abs_mib, "e1_peak_delta_mib": m_e1.mib,
+                        "bare_peak_mib": m_bare.abs_mib, "bare_peak_delta_mib": m_bare.mib,
+                        "memory_method": m_e1.method, "ppl": res["ppl"], "tokens": res["tokens"]}
+    meta = {"model": spec, "name": model.loaded.name, "family": model.loaded.family, "vocab": V,
+            "parameters": model.loaded.info.get("parameters"), "window_prefix": pre, "device": str(dev),
+            "dtype": dtype, "threads": torch.get_num_threads(), "rounds": rounds, "load_s": load_s,
+            "gguf_cache": (model.loaded.info.get("gguf") or {}).get("cache"), "pid": os.getpid(),
+            "stream": "seeded random token ids (timing does not depend on the text)",
+            "baseline": "transformers model(input_ids, use_cache=False) under inference_mode, same windows",
+            "load_avg": os.getloadavg()}
+    return {"meta": meta, "rows": rows}
+
+
+def format_hf_eval(result: dict) -> str:
+    """Markdown table of :func:`bench_hf_eval` and its two goal lines."""
+    m = result["meta"]
+    lines = [f"### E1 on {m['model']} ({m['family']}, V = {m['vocab']:,}) vs a bare transformers forward "
+             f"over the same windows ({m['device']}, {m['threads']} threads, {m['rounds']} rotated rounds; "
+             f"×bare = median (min–max) of the per-round ratios, ~ = 95% interval wider than ±3%)", "",
+             "| L | windows | E1 s | bare forward s | E1 ×bare | E1 peak RSS MiB | bare peak RSS MiB |",
+             "|---|---|---|---|---|---|---|"]
+    goals = []
+    for L, r in result["rows"].items():
+        lines.append(f"| {L} | {r['windows']} | {statistics.median(r['e1_s']):.2f} | "
+                     f"{statistics.median(r['bare_s']):.2f} | {fmt_ratio(r['ratio'])} | {r['e1_peak_mib']:.0f} | "
+                     f"{r['bare_peak_mib']:.0f} |")
+        ok_t = r["ratio"]["median"] <= GOAL_RATIO
+        ok_m = r["e1_peak_mib"] / 1024 <= GOAL_RSS_GIB
+        goals.append(f"L={L}: E1 time {r['ratio']['median']:.2f}x bare ({'met' if ok_t else 'NOT met'}, goal <= "
+                     f"{GOAL_RATIO:.2f}x); E1 peak RSS {r['e1_peak_mib'] / 1024:.2f} GiB "
+                     f"({'met' if ok_m else 'NOT met'}, goal <= {GOAL_RSS_GIB} GiB for SmolLM2-135M at 16,384)")
+    return "\n".join(lines + [""] + goals + [f"(model load {m['load_s']:.1f} s, GGUF cache: {m['gguf_cache']})"
+                                             if m.get("gguf_cache") else f"(model load {m['load_s']:.1f} s)"])
