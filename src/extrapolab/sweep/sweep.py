@@ -240,6 +240,7 @@ def _run_job(job: tuple, progress: bool) -> str:
             summary = train(cfg, run_dir, data=data, progress=progress)
             db.set_status(rid, "evaluating")
             scalars, series, extra = evaluate_run_dir(run_dir, cfg, data)
+            series += curve_series(run_dir, summary)  # the report's training curves
             db.record(rid, {**summary, **extra}, scalars, series)
     except LockBusy as e:
         return (f"{tag}: skipped, another process is on it ({e.holder or 'pid unknown'}); "
@@ -249,6 +250,15 @@ def _run_job(job: tuple, progress: bool) -> str:
     ppl = next((v for p, L, m, v in scalars if p == "nonoverlapping" and L == cfg.model.train_length
                 and m == "ppl"), None)
     return f"{tag}: done" + (f" (ppl at L_tr {ppl:.2f})" if ppl else "")
+
+
+def curve_series(run_dir: Path, summary: dict) -> list[tuple]:
+    """A run's training curves (train/records.py ``curves``) as results.sqlite series rows
+    ("train", 0, name, values), read back by report/curves.py."""
+    from ..train.records import CURVES, curves, read_rows
+
+    c = curves(read_rows(run_dir), summary.get("tokens_per_step"))
+    return [("train", 0, name, c[name]) for name in CURVES if c[name]]
 
 
 def evaluate_models(out: Path, base: C.RunConfig, spec: SweepSpec, db: ResultsDB, progress: bool = True) -> None:
