@@ -74,6 +74,7 @@ class TrainConfig:
     compile: bool = False
     flush_denormals: bool = True  # FTZ/DAZ for this process's training (model.attention.flush_denormals)
     strategy: str = "ddp"  # ddp | fsdp: how torchrun processes share the model (DDP replicates, FSDP shards)
+    tensorboard: bool = False  # also write metrics as TensorBoard events to RUN/tensorboard (pip install -e '.[tb]')
 
 
 @dataclass

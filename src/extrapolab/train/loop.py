@@ -33,6 +33,7 @@ from ..model.attention import flush_denormals
 from ..model.regular_lm import build_model
 from . import dist as D
 from . import records as R
+from . import tb
 from .checkpoint import aliases, checkpoint_path, clean_stale, full_weights, load_checkpoint, save_checkpoint, unique_weights
 from .optim import build_optimizer, lr_at, set_lr
 from .sampler import WindowSampler, valid_windows
@@ -51,6 +52,8 @@ def _check(cfg: RunConfig) -> None:
             raise UserError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if t.strategy not in D.STRATEGIES:
         raise UserError(f"unknown train.strategy {t.strategy!r}; use one of {', '.join(D.STRATEGIES)}")
+    if t.tensorboard:
+        tb.require()
 
 
 def _load_data(cfg: RunConfig, env: D.DistEnv, progress: bool):
@@ -152,6 +155,7 @@ class _Trainer:
         self.step, self.tokens, self.train_seconds = 0, 0, 0.0
         self.best = (math.inf, None)
         self.loss_acc = torch.zeros((), dtype=torch.float64, device=env.device)
+        self.gnorm_acc = torch.zeros((), dtype=torch.float64, device=env.device)  # sum of clipped-step grad norms
         self.loss_count = 0
         if ckpt is not None:
             self._restore(ckpt.state)
@@ -159,6 +163,8 @@ class _Trainer:
             torch.manual_seed(tc.seed + 7919 * (env.rank + 1))  # own dropout stream per rank
         if env.is_main:
             self._prepare_dir(fresh=ckpt is None)
+        self.tb = tb.TensorBoardLog(self.run_dir, self.step, fresh=ckpt is None) \
+            if tc.tensorboard and env.is_main else None
         env.barrier()
         self.start_step = self.step
         return self._loop()
@@ -180,6 +186,7 @@ class _Trainer:
         self.train_seconds = float(st["train_seconds"])
         self.best = (float(st["best_valid_loss"]), st["best_step"])
         self.loss_acc.fill_(float(st["loss_acc"]) / self.env.world)
+        self.gnorm_acc.fill_(float(st.get("gnorm_acc", 0.0)))  # checkpoints before grad norms were logged: 0
         self.loss_count = int(st["loss_count"])
 
     def _prepare_dir(self, fresh: bool) -> None:
@@ -220,7 +227,8 @@ class _Trainer:
                                         self.scaler if self.scaler.is_enabled() else None)
                 if tc.grad_clip > 0:
                     self.scaler.unscale_(self.optimizer)
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                    self.gnorm_acc += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -239,9 +247,12 @@ class _Trainer:
                     row = {"step": self.step, "loss": total / self.loss_count, "lr": lr, "tokens": self.tokens,
                            "sec_per_step": interval_time / interval_steps,
                            "tokens_per_s": tokens_per_step * interval_steps / interval_time}
+                    if tc.grad_clip > 0:  # the global norm before clipping, mean over the interval
+                        row["grad_norm"] = self.gnorm_acc.item() / self.loss_count
                     self._row(row)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                     self.loss_acc.zero_()
+                    self.gnorm_acc.zero_()
                     self.loss_count, interval_time, interval_steps = 0, 0.0, 0
                 finished = self.step == tc.steps
                 if (tc.eval_every and self.step % tc.eval_every == 0) or finished:
@@ -251,6 +262,8 @@ class _Trainer:
                 bar.update(1)
         finally:
             bar.close()
+            if self.tb is not None:
+                self.tb.close()
         self._write_checksum(first_batch)
         if self.step < tc.steps:
             R.peak_memory(self.memory)  # stop measuring (a sampler thread where the kernel cannot reset)
@@ -260,6 +273,8 @@ class _Trainer:
     def _row(self, row: dict) -> None:
         if self.env.is_main:
             R.append_row(self.run_dir, row)
+            if self.tb is not None:
+                self.tb.row(row)
 
     @torch.no_grad()
     def _validate(self) -> None:
@@ -301,6 +316,7 @@ class _Trainer:
                 "torch_rng": torch_rng, "cuda_rng": cuda_rng, "tokens": self.tokens,
                 "train_seconds": self.train_seconds, "best_valid_loss": self.best[0], "best_step": self.best[1],
                 "loss_acc": loss_acc, "loss_count": self.loss_count, "world_size": env.world,
+                "gnorm_acc": self.gnorm_acc.item(),
             }
             save_checkpoint(self.run_dir / "checkpoints" / "last", unique_weights(weights, self.alias), self.cfg, state)
         env.barrier()

@@ -1,8 +1,9 @@
 """Run records: ``metrics.jsonl`` (one JSON row per log / validation), ``summary.json``, this run's peak memory.
 
-Rows: ``{"step", "loss", "lr", "tokens", "sec_per_step", "tokens_per_s"}`` every ``log_every``
-steps (loss = mean train loss over the steps since the previous row, averaged over micro-batches
-and processes) and ``{"step", "valid_loss", "valid_ppl"}`` at each validation. On resume the rows
+Rows: ``{"step", "loss", "lr", "tokens", "sec_per_step", "tokens_per_s", "grad_norm"}`` every
+``log_every`` steps (loss = mean train loss over the steps since the previous row, averaged over
+micro-batches and processes; grad_norm = the mean global gradient norm before clipping over those
+steps, present when ``train.grad_clip`` > 0) and ``{"step", "valid_loss", "valid_ppl"}`` at each validation. On resume the rows
 after the checkpoint's step are dropped (they are re-done), so the file reads as one clean run.
 """
 from __future__ import annotations
