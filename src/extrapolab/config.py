@@ -94,6 +94,8 @@ class EvalConfig:
     erf_length: int = 0  # sweeps: A1 ERF of predicting this token after evaluation (0 = off)
     erf_segments: int = 4  # segments averaged for that ERF
     trf_eps: float = 0.01  # sweeps: A2 TRF threshold on the trained scheme
+    bca: bool = False  # E1-E4 with blockwise causal attention (xPos §3.3, eval/bca.py), any scheme
+    bca_block: int = 0  # its block size; 0 = L_tr / 2 (the paper's)
 
 
 @dataclass
@@ -271,6 +273,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.erf_length < 0 or cfg.eval.erf_segments < 1 or not 0 < cfg.eval.trf_eps < 1:
         raise ConfigError("eval.erf_length must be >= 0 (0 = off), eval.erf_segments >= 1 and eval.trf_eps in (0, 1); "
                           f"got {cfg.eval.erf_length}, {cfg.eval.erf_segments}, {cfg.eval.trf_eps}")
+    if cfg.eval.bca_block < 0:
+        raise ConfigError(f"eval.bca_block must be >= 0 (0 = L_tr / 2), got {cfg.eval.bca_block}")
     if cfg.eval.split not in ("train", "valid", "test"):
         raise ConfigError(f"eval.split must be train, valid or test, got {cfg.eval.split!r}")
     try:  # a typo here would otherwise surface only after training

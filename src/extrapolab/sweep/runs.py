@@ -64,6 +64,8 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
     res, md = _evaluate_taus(tau, ecfg, run_fn)
     res["placement"] = place.describe()
     name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
+    if ecfg.bca:  # blockwise causal attention: its own file next to the plain evaluation
+        name = name.replace(".json", "-bca.json")
     atomic_write_json(run / name, res)
     return {"result": res, "markdown": md, "path": run / name}
 
