@@ -6,7 +6,8 @@ import pytest
 
 from extrapolab.report.curves import _band, load_curves
 from extrapolab.report.db import ResultsDB
-from extrapolab.sweep.sweep import curve_series, rebuild_report
+from extrapolab.sweep.record import curve_series
+from extrapolab.sweep.sweep import rebuild_report
 from extrapolab.train.records import curves
 
 TPS = 4 * 32  # tokens per optimizer step of the fake runs

@@ -59,7 +59,7 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
 
     def run_fn(e):
         with place.autocast():
-            return evaluate_config(model, tokens, e, cfg.model.train_length)
+            return evaluate_config(model, tokens, e, cfg.model.train_length, positions=C.eval_positions(cfg))
 
     res, md = _evaluate_taus(tau, ecfg, run_fn)
     res["placement"] = place.describe()
