@@ -65,7 +65,8 @@ class XPos(Rotary):
         if int(center) != center or center < 0:
             raise SchemeError(f"xpos center must be a position >= 0, got {center!r}")
         self.scale_base, self.gamma, self.center = float(scale_base), float(gamma), int(center)
-        self._scales: dict = {}
+        self._scales: dict = {}  # (d_head, device, dtype) -> (Cq, Sq, Ck, Sk)
+        self._memo: tuple | None = None  # (positions, key, version, rows) of the last gather
 
     def check_length(self, length: int) -> None:
         limit = max_offset(self.scale_base, self.gamma)
@@ -76,45 +77,71 @@ class XPos(Rotary):
                 f"{self.center} (limit {limit}); pass --set model.scheme_params.center={max(0, int(length) // 2)} "
                 "(the center cancels in q·k, Sun et al. 2023 §3.2)")
 
-    def scales(self, n: int, d_head: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(up, down) [>= n, d_head]: zeta_i^(±(p - center)/scale_base) for p = 0, 1, ..., each value
-        repeated for the two members of pair i; built in float64, cached like the rotary tables."""
+    def xpos_tables(self, n: int, d_head: int, device, dtype):
+        """(Cq, Sq, Ck, Sk) [>= n, d_head]: RoFormer's C = (cos, cos), S = (-sin, +sin) per pair at
+        p = 0, 1, ..., times zeta_i^(+(p - center)/scale_base) for queries and zeta_i^(-(p - center)/
+        scale_base) for keys; built in float64, cast once, cached (grown by doubling, dropped on
+        ``.to()``). The scale folded into the tables makes xpos cost what rotary costs."""
         key = (d_head, torch.device(device), dtype)
         hit = self._scales.get(key)
         if hit is not None and hit[0].is_inference() and not torch.is_inference_mode_enabled():
             hit = None  # autograd may not save inference tensors
         if hit is None or hit[0].shape[0] < n:
             size = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
-            p = torch.arange(size, dtype=torch.float64, device=device) - self.center  # [size]
-            log_z = torch.log(zeta(d_head, self.gamma).to(device))  # [d/2]
-            e = (p[:, None] / self.scale_base) * log_z  # [size, d/2]
-            up = torch.exp(e).repeat_interleave(2, dim=-1)  # [size, d]: (zeta^(p/B), same) per pair
-            down = torch.exp(-e).repeat_interleave(2, dim=-1)
-            hit = (up.to(dtype).contiguous(), down.to(dtype).contiguous())
+            p = torch.arange(size, dtype=torch.float64, device=device)  # [size]
+            ang = p[:, None] * self.inv_freq(d_head, size).to(device=device, dtype=torch.float64)  # [size, d/2]
+            e = ((p - self.center)[:, None] / self.scale_base) * torch.log(zeta(d_head, self.gamma).to(device))
+            up, down = torch.exp(e), torch.exp(-e)  # [size, d/2]: zeta_i^(±(p - center)/scale_base)
+            cos, sin = torch.cos(ang), torch.sin(ang)
+            out = []
+            for f in (up, down):
+                out.append((cos * f).repeat_interleave(2, dim=-1))  # [size, d]: (cos, cos)·f per pair
+                out.append(torch.stack((-sin * f, sin * f), dim=-1).flatten(-2))  # [size, d]: (-sin, sin)·f
+            hit = tuple(t.to(dtype).contiguous() for t in (out[0], out[1], out[2], out[3]))
             self._scales[key] = hit
         return hit
 
-    def _scaled(self, x: torch.Tensor, pos: torch.Tensor, which: int) -> torch.Tensor:
-        if not pos.numel():
-            return x
-        n = int(pos.max()) + 1
-        if x.dtype == torch.float16:
+    def _xpos_rows(self, pos: torch.Tensor, d_head: int, dtype) -> tuple[torch.Tensor, ...]:
+        """(Cq, Sq, Ck, Sk) rows [L, d_head] of ``pos`` [L]; memoised for the same positions tensor
+        (k after q, the next layer), like rotary's."""
+        memo = self._memo
+        version = None if pos.is_inference() else pos._version
+        key = (d_head, dtype, torch.is_inference_mode_enabled())
+        if memo is not None and memo[0] is pos and memo[1] == key and version is not None and memo[2] == version:
+            return memo[3]
+        n = int(pos.max()) + 1 if pos.numel() else 1
+        if dtype == torch.float16 and pos.numel():
             half = max_offset(self.scale_base, self.gamma, HALF_RANGE)
             if max(n - 1 - self.center, self.center - int(pos.min())) > half:
                 raise SchemeError(f"xpos in float16 reaches only {half} positions from its center; "
                                   "use bf16 or fp32 (--dtype bf16) or move model.scheme_params.center")
-        table = self.scales(n, x.shape[-1], pos.device, x.dtype)[which]  # [>= n, d]
-        p0, L = int(pos[0]), pos.numel()
-        rows = table[p0:p0 + L] if n - p0 == L and bool((pos[1:] > pos[:-1]).all()) else table[pos]  # [L, d]
-        return x * rows
+        tables = self.xpos_tables(n, d_head, pos.device, dtype)
+        L, p0 = pos.numel(), int(pos[0]) if pos.numel() else 0
+        if L and n - p0 == L and (L == 1 or bool((pos[1:] > pos[:-1]).all())):
+            rows = tuple(t[p0:n] for t in tables)  # p0..p0+L-1 in order: views, no gather
+        else:
+            rows = tuple(t[pos] for t in tables)  # [L, d_head] each
+        self._memo = (pos, key, version, rows)
+        return rows
+
+    @staticmethod
+    def _turn(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+        """x * C + swap(x) * S, swap exchanging the members of each pair (as rotary's)."""
+        swapped = x.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)  # [..., L, d]
+        return (x * C).addcmul_(swapped, S)
 
     def rotate(self, q, k, q_pos, k_pos):
-        q, k = super().rotate(q, k, q_pos, k_pos)  # RoFormer rotation, then the scale per pair
-        return self._scaled(q, q_pos, 0), self._scaled(k, k_pos, 1)
+        d = q.shape[-1]
+        if d % 2:
+            raise SchemeError(f"xpos needs an even head dimension, got {d}; change model.dim or heads")
+        Cq, Sq, _, _ = self._xpos_rows(q_pos, d, q.dtype)
+        _, _, Ck, Sk = self._xpos_rows(k_pos, d, k.dtype)
+        return self._turn(q, Cq, Sq), self._turn(k, Ck, Sk)
 
     def options(self):
         return {"base": self.base, "scale_base": self.scale_base, "gamma": self.gamma, "center": self.center}
 
-    def _apply(self, fn, *a, **kw):
+    def _apply(self, fn, *a, **kw):  # .to()/.cuda() drop the tables
         self._scales.clear()
+        self._memo = None
         return super()._apply(fn, *a, **kw)
