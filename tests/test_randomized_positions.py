@@ -181,3 +181,19 @@ def test_regular_transformer_at_random_positions():
             c = T.run_config(task_name, col, 0, "quick").resolved()
             assert c.positions == "random:2048" and c.model == "transformer"
         assert T.run_config("parity", col, 0, "quick").test_stride == 5
+
+
+def test_a_sweep_entry_sets_train_positions_for_its_runs():
+    from extrapolab.io import UserError
+    from extrapolab.sweep.sweep import SweepSpec, entry_config
+
+    spec = SweepSpec.from_dict({"schemes": ["rotary", {"name": "rotary", "train": {"positions": "random:512"}}]})
+    assert [s.label for s in spec.schemes] == ["rotary", "rotary(positions=random:512)"]
+    base = resolve(None, ["model.train_length=64"])
+    plain, rand = (entry_config(base, s) for s in spec.schemes)
+    assert plain.train.positions == "contiguous" and rand.train.positions == "random:512"
+    assert base.train.positions == "contiguous"  # a copy: the base is untouched
+    with pytest.raises(ConfigError, match="L_MAX must be >= 64"):
+        entry_config(base, SweepSpec.from_dict({"schemes": [{"name": "alibi", "train": {"positions": "random:8"}}]}).schemes[0])
+    with pytest.raises(UserError, match="sweep.seeds"):
+        SweepSpec.from_dict({"schemes": [{"name": "alibi", "train": {"seed": 3}}]})
