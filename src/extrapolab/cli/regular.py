@@ -85,6 +85,8 @@ def train(
     test_samples: int = typer.Option(128, help="strings per test length"),
     supervision: str = typer.Option("last", help="last: loss on the whole string's label (thesis "
                                     "Table 6.1 here); prefix: on the label of every prefix"),
+    positions: str = typer.Option("contiguous", help="transformer only: contiguous, or random:L_MAX (sorted "
+                                  "positions from [0, L_MAX) per batch, in training and scoring; Ruoss et al. 2023)"),
     threads: int = typer.Option(1, help="torch CPU threads"),
     progress: bool = True,
     device: str = DeviceOpt,
@@ -97,7 +99,8 @@ def train(
     cfg = RegularRunConfig(task=task, task_options=_kv(task_opt, "--task-opt"), model=model,
                            model_options=_kv(opt, "--opt"), seed=seed, steps=steps, lr=lr,
                            batch_size=batch_size, stop_acc=stop_acc, test_stride=test_stride,
-                           test_samples=test_samples, supervision=supervision, device=device, precision=dtype)
+                           test_samples=test_samples, supervision=supervision, positions=positions,
+                           device=device, precision=dtype)
     res = run(cfg, out, progress=progress)
     typer.echo(f"{task}/{model}/seed{seed}: {res['steps_run']} steps ({res['train_seconds']:.1f} s), best step "
                f"{res['best_step']}; accuracy at train lengths {100 * res['mean_train_lengths']:.1f}%, mean over "
