@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,tb]'
 	-bash scripts/install-prose.sh
 	touch $(STAMP)
 

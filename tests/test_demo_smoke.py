@@ -19,16 +19,20 @@ def test_demo_smoke_writes_the_report(smoke):
     tmp, _, res = smoke
     out = res["out"]
     html = (out / "report.html").read_text()
-    for needle in ("E1 nonoverlapping", "E3 last-token", "E4 position-wise", "E6 extrapolation verdict",
-                   "E8 cost", "demo-smoke", "data:image/png;base64,"):
+    for needle in ("Training curves — stdlib", "E1 nonoverlapping", "E3 last-token", "E4 position-wise",
+                   "E6 extrapolation verdict", "E8 cost", "demo-smoke", "data:image/png;base64,"):
         assert needle in html
     md = (out / "ppl_nonoverlapping_stdlib.md").read_text()
     assert all(s in md for s in ("none", "alibi", "sinusoidal"))
     csv_rows = (out / "ppl_last_token_stdlib.csv").read_text().strip().splitlines()
     assert len(csv_rows) == 1 + 3 * 3  # header + 3 lengths x 3 schemes
-    for f in ("figures/positionwise.png", "figures/positionwise.svg", "cost.md", "verdict.md"):
+    for f in ("figures/positionwise.png", "figures/positionwise.svg", "cost.md", "verdict.md",
+              "figures/training_curves_stdlib.png", "figures/training_curves_stdlib.svg"):
         assert (out / f).is_file()
     con = sqlite3.connect(out / "results.sqlite")
+    # every run's training curves are stored with its results (8 steps, logged every 4)
+    steps = con.execute("SELECT data FROM series WHERE protocol='train' AND name='train_step'").fetchall()
+    assert len(steps) == 6 and all(s == ("[4.0, 8.0]",) for s in steps)
     assert con.execute("SELECT COUNT(*) FROM runs WHERE status='done'").fetchone()[0] == 6
     n_rows = con.execute("SELECT COUNT(*) FROM results").fetchone()[0]
     assert n_rows > 0

@@ -129,3 +129,21 @@ def test_format_table_like_sandwich_table3():
 def test_format_table_unknown_reference():
     with pytest.raises(UserError, match="reference scheme"):
         format_table({"alibi": {512: [1.0]}}, "sandwich", [512])
+
+
+def test_one_seed_table_says_no_test_was_run_instead_of_the_legend():
+    results = {"sandwich": {512: [20.0], 1024: [21.0]}, "alibi": {512: [25.0], 1024: [30.0]}}
+    md, text = format_table(results, "sandwich", [512, 1024])
+    last = md.strip().splitlines()[-1]
+    assert last.startswith("No t-test was run (one seed per scheme")
+    assert "significantly" not in md and "†" not in md.replace("no cell is marked † or *", "")
+    assert all(row["p_value"] == "" and row["mark"] == "" for row in csv.DictReader(io.StringIO(text)))
+    assert "| 30.0 |" in md  # single values, no "± std"
+    # two seeds, but the other scheme has a value for only one of them: still no test anywhere
+    md2, _ = format_table({"sandwich": {512: {0: 20.0, 1: 21.0}}, "alibi": {512: {0: 25.0}}}, "sandwich", [512])
+    assert "No t-test was run (fewer than 2 seeds paired with sandwich" in md2
+    md3, _ = format_table({"sandwich": {512: [20.0, 21.0]}}, "sandwich", [512])
+    assert "No t-test was run (only sandwich" in md3
+    # as soon as one cell is tested, the †/* key is printed
+    md4, _ = format_table({"sandwich": {512: [20.0, 21.0]}, "alibi": {512: [25.0, 27.0]}}, "sandwich", [512])
+    assert "significantly better than x" in md4

@@ -21,6 +21,11 @@ from .model.gpt import ModelConfig
 PROTOCOLS = ("nonoverlapping", "sliding", "last_token", "positionwise", "cached", "recomputed")
 
 
+def eval_positions(cfg: "RunConfig") -> str:
+    """The evaluation's positions: eval.positions, where "train" means the run's train.positions."""
+    return cfg.train.positions if cfg.eval.positions == "train" else cfg.eval.positions
+
+
 def check_protocols(protocols: Iterable[str]) -> list[str]:
     """The protocol names in order, duplicates dropped; an unknown one raises with the fix."""
     out = []
@@ -74,6 +79,10 @@ class TrainConfig:
     compile: bool = False
     flush_denormals: bool = True  # FTZ/DAZ for this process's training (model.attention.flush_denormals)
     strategy: str = "ddp"  # ddp | fsdp: how torchrun processes share the model (DDP replicates, FSDP shards)
+    tensorboard: bool = False  # also write metrics as TensorBoard events to RUN/tensorboard (pip install -e '.[tb]')
+    #: positions fed to the model: "contiguous" (0..L-1) or "random:L_MAX" (sorted, drawn without
+    #: replacement from [0, L_MAX) per batch; Ruoss et al. 2023, train/positions.py)
+    positions: str = "contiguous"
 
 
 @dataclass
@@ -93,6 +102,11 @@ class EvalConfig:
     erf_length: int = 0  # sweeps: A1 ERF of predicting this token after evaluation (0 = off)
     erf_segments: int = 4  # segments averaged for that ERF
     trf_eps: float = 0.01  # sweeps: A2 TRF threshold on the trained scheme
+    bca: bool = False  # E1-E4 with blockwise causal attention (xPos §3.3, eval/bca.py), any scheme
+    bca_block: int = 0  # its block size; 0 = L_tr / 2 (the paper's)
+    #: positions at evaluation: "train" (as train.positions: random runs are scored at random positions,
+    #: as Ruoss et al.'s code does), "contiguous", or "random:L_MAX"
+    positions: str = "train"
 
 
 @dataclass
@@ -270,13 +284,34 @@ def validate(cfg: RunConfig) -> None:
     if cfg.eval.erf_length < 0 or cfg.eval.erf_segments < 1 or not 0 < cfg.eval.trf_eps < 1:
         raise ConfigError("eval.erf_length must be >= 0 (0 = off), eval.erf_segments >= 1 and eval.trf_eps in (0, 1); "
                           f"got {cfg.eval.erf_length}, {cfg.eval.erf_segments}, {cfg.eval.trf_eps}")
+    if cfg.eval.bca_block < 0:
+        raise ConfigError(f"eval.bca_block must be >= 0 (0 = L_tr / 2), got {cfg.eval.bca_block}")
     if cfg.eval.split not in ("train", "valid", "test"):
         raise ConfigError(f"eval.split must be train, valid or test, got {cfg.eval.split!r}")
     try:  # a typo here would otherwise surface only after training
         check_protocols(cfg.eval.protocols)
     except UserError as e:
         raise ConfigError(f"eval.protocols: {e}") from None
-    build_scheme(m)  # unknown scheme / bad options fail here, before any data or training work
+    scheme = build_scheme(m)  # unknown scheme / bad options fail here, before any data or training work
+    _check_positions(cfg, scheme)
+
+
+def _check_positions(cfg: RunConfig, scheme) -> None:
+    """train.positions / eval.positions (positional/randomized.py): the form, L_MAX >= L_tr, a scheme
+    that encodes positions up to L_MAX - 1, the plain GPT (RegularGPT attends by chunks of tokens)."""
+    from .positional import randomized
+    from .positional.base import SchemeError
+
+    try:
+        L_max = randomized.parse(cfg.train.positions)
+        if cfg.eval.positions != "train":
+            randomized.parse(cfg.eval.positions, "eval.positions")
+        if L_max is not None and cfg.model.arch != "gpt":
+            raise SchemeError(f"train.positions={cfg.train.positions} needs model.arch=gpt")
+        if L_max is not None:
+            randomized.check(L_max, scheme, cfg.model.train_length)
+    except SchemeError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _deep_merge(a: dict, b: dict) -> dict:

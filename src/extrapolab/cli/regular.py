@@ -85,6 +85,8 @@ def train(
     test_samples: int = typer.Option(128, help="strings per test length"),
     supervision: str = typer.Option("last", help="last: loss on the whole string's label (thesis "
                                     "Table 6.1 here); prefix: on the label of every prefix"),
+    positions: str = typer.Option("contiguous", help="transformer only: contiguous, or random:L_MAX (sorted "
+                                  "positions from [0, L_MAX) per batch, in training and scoring; Ruoss et al. 2023)"),
     threads: int = typer.Option(1, help="torch CPU threads"),
     progress: bool = True,
     device: str = DeviceOpt,
@@ -97,7 +99,8 @@ def train(
     cfg = RegularRunConfig(task=task, task_options=_kv(task_opt, "--task-opt"), model=model,
                            model_options=_kv(opt, "--opt"), seed=seed, steps=steps, lr=lr,
                            batch_size=batch_size, stop_acc=stop_acc, test_stride=test_stride,
-                           test_samples=test_samples, supervision=supervision, device=device, precision=dtype)
+                           test_samples=test_samples, supervision=supervision, positions=positions,
+                           device=device, precision=dtype)
     res = run(cfg, out, progress=progress)
     typer.echo(f"{task}/{model}/seed{seed}: {res['steps_run']} steps ({res['train_seconds']:.1f} s), best step "
                f"{res['best_step']}; accuracy at train lengths {100 * res['mean_train_lengths']:.1f}%, mean over "
@@ -124,7 +127,7 @@ def eval_(
 
     from ..regular.plots import plot_per_length
     from ..regular.tasks import make_task
-    from ..regular.train import evaluate_lengths, load_run
+    from ..regular.train import evaluate_lengths, load_run, max_position
     from ..train import placement
 
     _threads(threads)
@@ -139,7 +142,7 @@ def eval_(
     if not lengths:
         raise UserError(f"no valid length in [{lo}, {hi}] for task {cfg.task}")
     with place.autocast():
-        acc = evaluate_lengths(model, task, lengths, samples, cfg.seed, progress=True)
+        acc = evaluate_lengths(model, task, lengths, samples, cfg.seed, progress=True, max_position=max_position(rc))
     mean = float(np.mean(list(acc.values())))
     typer.echo(f"{cfg.task}/{cfg.model}: mean accuracy {100 * mean:.2f}% over {len(acc)} lengths {lengths[0]}..{lengths[-1]}"
                f" (worst {100 * min(acc.values()):.1f}% at T={min(acc, key=acc.get)})")
@@ -154,7 +157,9 @@ def eval_(
 def table(
     out: Path = typer.Option(Path("reports/regular"), help="output folder (runs/, table.md, table.json, plots/)"),
     tasks: Optional[str] = typer.Option(None, help="comma list; default: all 12 tasks of Table 6.1"),
-    models: Optional[str] = typer.Option(None, help="comma list of rnn,lstm,transformer,regulargpt-C2,regulargpt-C3"),
+    models: Optional[str] = typer.Option(None, help="comma list of rnn,lstm,transformer,regulargpt-C2,"
+                                         "regulargpt-C3 (default) and transformer-rope-random,"
+                                         "transformer-alibi-random (randomized positions)"),
     seeds: int = 3,
     budget: str = typer.Option("quick", help="quick: CPU step caps (3000, transformer 2000, early stop; "
                                "transformer scored on every 5th length 41..500); thesis: Table 6.5 sizes "

@@ -3,7 +3,8 @@
 E1 :func:`nonoverlapping`, E2 :func:`sliding` (ALiBi §2.1, appendix B); E3 :func:`last_token`
 (Sandwich §3.4); E4 :func:`positionwise` (thesis §3.5.5); E5 :func:`cached_window_ppl`,
 :func:`recomputed_window_ppl`, :func:`generate` (Sandwich appendix B); E6 :func:`verdict` (Qin
-def. 0.1); E7 :mod:`.stats` (Sandwich Table 3); :func:`evaluate` runs a chosen set.
+def. 0.1); E7 :mod:`.stats` (Sandwich Table 3); :func:`evaluate` runs a chosen set, optionally with
+blockwise causal attention (:mod:`.bca`, xPos §3.3).
 """
 from .cached import cached_window_ppl, compare_cached, generate, recomputed_window_ppl
 from .evaluate import PROTOCOLS, evaluate, evaluate_config

@@ -21,8 +21,11 @@ from torch import nn
 from ..config import PROTOCOLS, check_protocols  # noqa: F401 (re-exported by eval/)
 from ..io import UserError
 from ..model.attention import AttnOptions, temperature_record
+from ..positional import randomized
 from ..positional.base import SchemeError
+from .bca import BlockwiseCausal, block_size
 from .cached import cached_window_ppl, recomputed_window_ppl
+from .positions import RandomPositions
 from .core import as_tokens, check_length, check_vocab, resolve_opts
 from .perplexity import last_token, last_token_ends, nonoverlapping, sliding
 from .positionwise import positionwise_with_reference
@@ -74,10 +77,19 @@ def evaluate(
     delta: float = 0.1,
     batch_size: int = 4,
     temperature: float | Sequence[float] = 1.0,
+    bca: bool = False,
+    bca_block: int = 0,
+    positions: str = "contiguous",
     opts: AttnOptions | None = None,
     progress: bool = False,
 ) -> dict:
     """Run ``protocols`` at ``lengths`` -> JSON-able results (see module doc).
+
+    ``bca``: E1-E4 with blockwise causal attention of ``bca_block``-token blocks (0 = L_tr / 2; xPos
+    §3.3, eval/bca.py); E5 keeps its own KV-cache window and records an error line instead.
+    ``positions``: "contiguous" (0..L-1) or "random:L_MAX": E1-E3 at sorted positions drawn per batch
+    from [0, L_MAX) (Ruoss et al. 2023, eval/positions.py); E4 and E5 need positions 0..L-1 (E4's
+    windowed reference counts keys by position distance) and record an error line instead.
 
     Defaults follow ``EvalConfig``: 0 means whole stream (num_tokens), L_tr // 2 (sliding_stride),
     max length (position_length), 2·L_tr (cache_window). E5 scores ``num_tokens`` tokens per length,
@@ -96,32 +108,46 @@ def evaluate(
     pos_len = int(position_length) or Ls[-1]
     cache_tokens = int(num_tokens) or int(batch_size) * Ls[-1]
     kw = dict(batch_size=batch_size, opts=opts)
+    block = block_size(bca_block, m) if bca else None
+    L_max = randomized.parse(positions, "eval.positions")
+
+    def scored(L: int) -> nn.Module:  # what E1-E4 call at length L
+        out = BlockwiseCausal(model, block) if bca else model
+        return RandomPositions(out, L_max, seed=L) if L_max else out  # one seeded stream per length
     out: dict = {"train_length": m, "lengths": Ls, "protocols": protos, "settings": {
         "num_tokens": int(num_tokens), "sliding_stride": stride, "last_token_n": int(last_token_n),
         "position_length": pos_len, "position_segments": int(position_segments),
         "cache_window": window, "cache_tokens": cache_tokens, "delta": float(delta),
         "batch_size": int(batch_size), "temperature": temperature_record(opts.temperature),
-        "stream_tokens": int(len(tok))}, "seconds": {}}
+        "bca_block": block, "positions": str(positions), "stream_tokens": int(len(tok))}, "seconds": {}}
     for p in protos:
         t0 = time.perf_counter()
-        if p == "nonoverlapping":
-            out[p] = _per_length(lambda L: nonoverlapping(model, tok, L, max_tokens=num_tokens,
+        if p in ("cached", "recomputed") and bca:
+            out[p] = {L: {"error": f"{p} (E5) keeps its own KV-cache window; run it without eval.bca"} for L in Ls}
+        elif p in ("cached", "recomputed") and L_max:
+            out[p] = {L: {"error": f"{p} (E5) decodes at positions 0..L-1; run it with eval.positions=contiguous"}
+                      for L in Ls}
+        elif p == "positionwise" and L_max:
+            out[p] = {"error": "positionwise (E4) needs positions 0..L-1 (its windowed@L_tr reference counts keys "
+                               "by position distance); run it with eval.positions=contiguous", "length": pos_len}
+        elif p == "nonoverlapping":
+            out[p] = _per_length(lambda L: nonoverlapping(scored(L), tok, L, max_tokens=num_tokens,
                                                           progress=progress, **kw), Ls)
         elif p == "sliding":
-            out[p] = _per_length(lambda L: sliding(model, tok, L, min(stride, L), max_tokens=num_tokens,
+            out[p] = _per_length(lambda L: sliding(scored(L), tok, L, min(stride, L), max_tokens=num_tokens,
                                                    progress=progress, **kw), Ls)
         elif p == "last_token":
             try:
                 ends = last_token_ends(len(tok), Ls[-1], last_token_n)
                 out["settings"]["last_token_n_used"] = int(len(ends))
                 out[p] = _per_length(lambda L: {"ppl": last_token(
-                    model, tok, [L], n=last_token_n, max_length=Ls[-1], progress=progress, **kw)[L],
+                    scored(L), tok, [L], n=last_token_n, max_length=Ls[-1], progress=progress, **kw)[L],
                     "tokens": int(len(ends)), "length": L}, Ls)
             except UserError as err:
                 out[p] = {L: {"error": str(err)} for L in Ls}
         elif p == "positionwise":
             try:
-                out[p] = positionwise_with_reference(model, tok, pos_len, m, n_segments=position_segments,
+                out[p] = positionwise_with_reference(scored(pos_len), tok, pos_len, m, n_segments=position_segments,
                                                      progress=progress, **kw)
             except (UserError, SchemeError) as err:
                 out[p] = {"error": str(err), "length": pos_len}
@@ -144,10 +170,15 @@ def evaluate(
 
 
 def evaluate_config(model: nn.Module, tokens, eval_cfg, train_length: int, **kw) -> dict:
-    """:func:`evaluate` with the fields of a ``config.EvalConfig`` (``split`` is the caller's job)."""
+    """:func:`evaluate` with the fields of a ``config.EvalConfig`` (``split`` is the caller's job).
+
+    ``eval.positions="train"`` means the run's ``train.positions``, which only the caller knows
+    (``config.eval_positions``): pass ``positions=``; without it "train" evaluates at 0..L-1."""
     fields = ("protocols", "lengths", "num_tokens", "last_token_n", "sliding_stride", "position_length",
               "position_segments",
-              "cache_window", "delta", "batch_size", "temperature")
+              "cache_window", "delta", "batch_size", "temperature", "bca", "bca_block")
     args = {f: getattr(eval_cfg, f) for f in fields if hasattr(eval_cfg, f)}
+    if getattr(eval_cfg, "positions", "train") != "train":
+        args["positions"] = eval_cfg.positions
     args.update(kw)
     return evaluate(model, tokens, train_length=train_length, **args)

@@ -161,7 +161,7 @@ def format_table(
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["length", "scheme", f"{metric}_mean", f"{metric}_std", "n", "p_value", "mark"])
-    n_max = 0
+    n_max, tested = 0, False
     for L in lengths:
         ref_vals = _lookup(results[reference], L) or []
         cells = []
@@ -173,6 +173,7 @@ def format_table(
             if sc != reference and s["n"]:
                 t = paired_ttest(vals, ref_vals)
                 p = None if math.isnan(t["p"]) else t["p"]
+                tested = tested or p is not None
                 m = mark(ref_vals, vals, alpha=alpha, lower_is_better=lower_is_better)
             cells.append(format_cell(s, m))
             w.writerow([L, sc, "" if s["mean"] is None else repr(s["mean"]),
@@ -180,7 +181,23 @@ def format_table(
         lines.append(f"| {L} | " + " | ".join(cells) + " |")
     direction = f"{'lower' if lower_is_better else 'higher'} {metric} is better"
     lines.append("")
-    lines.append(f"x{BETTER}: {reference} is significantly better than x; x{WORSE}: {reference} is "
-                 f"significantly worse than x (paired two-sided t-test over seeds, α = {alpha}; "
-                 f"mean ± sample std over up to {n_max} seeds; {direction}).")
+    lines.append(legend(reference, n_max, tested, alpha, direction, compared=len(schemes) > 1))
     return "\n".join(lines) + "\n", buf.getvalue()
+
+
+def legend(reference: str, n_max: int, tested: bool, alpha: float = ALPHA, direction: str = "",
+           compared: bool = True) -> str:
+    """The line under an E7 table: the †/* key when some cell was t-tested, else why none was (one
+    seed, no other scheme, or no scheme with >= 2 seeds paired with the reference), so no reader
+    looks for marks that cannot be there."""
+    tail = f"; {direction}" if direction else ""
+    if tested:
+        return (f"x{BETTER}: {reference} is significantly better than x; x{WORSE}: {reference} is "
+                f"significantly worse than x (paired two-sided t-test over seeds, α = {alpha}; "
+                f"mean ± sample std over up to {n_max} seeds{tail}).")
+    why = ("one seed per scheme" if n_max < 2 else f"only {reference}, nothing to compare" if not compared
+           else f"fewer than 2 seeds paired with {reference} in every cell")
+    values = "values are single runs, without ± std" if n_max < 2 else \
+        f"mean ± sample std over up to {n_max} seeds"
+    return (f"No t-test was run ({why}; a paired t-test needs at least 2), so no cell is marked "
+            f"{BETTER} or {WORSE}; {values}{tail}.")

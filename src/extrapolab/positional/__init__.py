@@ -13,6 +13,7 @@ from . import rotary_pi  # noqa: F401  RoPE context extension: position interpol
 from . import rotary_ntk  # noqa: F401  NTK-aware base
 from . import rotary_dynamic  # noqa: F401  dynamic NTK
 from . import rotary_yarn  # noqa: F401  YaRN
+from . import xpos  # noqa: F401  rotary with a per-pair exponential decay (Sun et al. 2023)
 from . import t5  # noqa: F401
 from . import alibi  # noqa: F401
 from . import windowed  # noqa: F401

@@ -31,13 +31,14 @@ class TransformerClassifier(nn.Module):
         self.gpt = GPT(cfg)
         self.head = nn.Linear(dim, num_classes)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.gpt(idx, return_hidden=True)["hidden"]  # [B, T, D] after the final LayerNorm
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` [T]: 0..T-1 by default; sorted random ones for randomized positions."""
+        h = self.gpt(idx, positions, return_hidden=True)["hidden"]  # [B, T, D] after the final LayerNorm
         return self.head(h[:, -1])  # [B, classes]
 
-    def forward_prefixes(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward_prefixes(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Causal, so position i sees exactly the prefix idx[:, :i+1]: [B, T] -> [B, T, classes]."""
-        return self.head(self.gpt(idx, return_hidden=True)["hidden"])
+        return self.head(self.gpt(idx, positions, return_hidden=True)["hidden"])
 
     def constrain_(self) -> None:
         self.gpt.constrain_()

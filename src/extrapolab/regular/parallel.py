@@ -17,7 +17,9 @@ from tqdm.auto import tqdm
 
 #: relative cost of one run by model column (measured on the quick budget: the O(T^2) transformer
 #: is the slowest, the RNN the fastest); tasks tested up to 500 (Deletang) cost about twice more
-COLUMN_COST = {"transformer": 4.0, "regulargpt-C2": 3.0, "regulargpt-C3": 2.0, "lstm": 1.5, "rnn": 0.5}
+COLUMN_COST = {"transformer": 4.0, "regulargpt-C2": 3.0, "regulargpt-C3": 2.0, "lstm": 1.5, "rnn": 0.5,
+               # not measured: ALiBi at positions with gaps takes the dense-mask fallback path
+               "transformer-rope-random": 4.0, "transformer-alibi-random": 5.0}
 
 
 def job_cost(model: str, family: str) -> float:

@@ -17,8 +17,8 @@ import torch
 
 from .baselines import build_model
 from .tasks import make_task
-from .train import (TRAIN_STREAM, VAL_STREAM, RegularRunConfig, _rng, accuracy_at, evaluate_lengths, run_placement,
-                    train_step)
+from .train import (TRAIN_STREAM, VAL_STREAM, RegularRunConfig, _rng, accuracy_at, evaluate_lengths, max_position,
+                    run_placement, train_step)
 
 
 def _sync(device: torch.device) -> None:
@@ -50,7 +50,8 @@ def probe_run(cfg: RegularRunConfig, steps: int = 20, warmup: int = 3, test_poin
     t = time.perf_counter()
     with place.autocast():
         for L in [lengths[-1], *cfg.val_lengths]:
-            accuracy_at(model, task, int(L), cfg.val_samples, _rng(VAL_STREAM, cfg.seed, L))
+            accuracy_at(model, task, int(L), cfg.val_samples, _rng(VAL_STREAM, cfg.seed, L),
+                        max_position=max_position(cfg))
     _sync(place.device)
     val_s = time.perf_counter() - t
 
@@ -58,7 +59,8 @@ def probe_run(cfg: RegularRunConfig, steps: int = 20, warmup: int = 3, test_poin
     sample = test[:: max(1, math.ceil(len(test) / max(1, test_points)))]
     t = time.perf_counter()
     with place.autocast():
-        evaluate_lengths(model, task, sample, cfg.test_samples, cfg.seed, cfg.eval_tokens)
+        evaluate_lengths(model, task, sample, cfg.test_samples, cfg.seed, cfg.eval_tokens,
+                         max_position=max_position(cfg))
     _sync(place.device)
     score_s = (time.perf_counter() - t) * len(test) / len(sample)
     rounds = math.ceil(cfg.steps / cfg.eval_every)

@@ -25,7 +25,7 @@ from .erf import erf_for_table, erf_markdown
 from .parallel import cpu_count, job_cost, run_jobs
 from .plots import plot_per_length
 from .tasks import BHATTACHARYA, DELETANG, make_task
-from .train import PLACEMENT, RegularRunConfig, evaluate_lengths, load_run, run, run_placement
+from .train import PLACEMENT, RegularRunConfig, evaluate_lengths, load_run, max_position, run, run_placement
 
 #: column -> run options (model kind, its options, learning rate, ...); CPU-sized: the thesis
 #: trains 100k steps at hidden size 256 (Table 6.5), these stop at 3000 (2000 for the O(T²)
@@ -37,14 +37,21 @@ MODEL_SPECS: dict[str, dict] = {
                     "lr": 3e-4, "steps": 2000},
     "regulargpt-C2": {"model": "regulargpt", "model_options": {"C": 2}, "lr": 1e-3},
     "regulargpt-C3": {"model": "regulargpt", "model_options": {"C": 3}, "lr": 1e-3},
+    # the transformer at randomized positions (Ruoss et al. 2023: sorted positions from [0, 2048) per
+    # batch, the official code's noise_max_length), with RoPE or ALiBi; opt-in with --models
+    "transformer-rope-random": {"model": "transformer", "model_options": {"scheme": "rotary", "layers": 4},
+                                "lr": 3e-4, "steps": 2000, "positions": "random:2048"},
+    "transformer-alibi-random": {"model": "transformer", "model_options": {"scheme": "alibi", "layers": 4},
+                                 "lr": 3e-4, "steps": 2000, "positions": "random:2048"},
 }
+RANDOM_COLUMNS = ("transformer-rope-random", "transformer-alibi-random")
 DEFAULT_MODELS = ("rnn", "lstm", "transformer", "regulargpt-C2", "regulargpt-C3")
 
 #: ``regular table --budget``: run options layered on MODEL_SPECS. Keys: "*" (every run), a family
 #: ("deletang" | "bhattacharya"), a column, a task, "column@family" or "column@task", applied in
 #: that order (later wins; model_options are merged key by key).
 #: * quick (default, 1 CPU thread): the MODEL_SPECS step caps (3000; transformer 2000) with early
-#:   stopping at 100% train-length + validation accuracy. The O(T²) transformer is validated at
+#:   stopping at 100% train-length + validation accuracy. The O(T²) transformers are validated at
 #:   length 80 only (81 for odd-only Modular Arithmetic: a preset validation length moves to the
 #:   task's next valid one) and, on the Deletang tasks (test 41..500), scored on every 5th valid test
 #:   length with 64 strings each (41, 46, ..., 496; Modular Arithmetic: 41, 51, ..., 491).
@@ -53,16 +60,15 @@ DEFAULT_MODELS = ("rnn", "lstm", "transformer", "regulargpt-C2", "regulargpt-C3"
 #:   Meant for a GPU; on one CPU core a single RegularGPT run takes hours.
 BUDGETS: dict[str, dict[str, dict]] = {
     "quick": {
-        "transformer": {"val_lengths": [80], "test_samples": 64},
-        "transformer@deletang": {"test_stride": 5},
+        **{c: {"val_lengths": [80], "test_samples": 64} for c in ("transformer", *RANDOM_COLUMNS)},
+        **{f"{c}@deletang": {"test_stride": 5} for c in ("transformer", *RANDOM_COLUMNS)},
     },
     "thesis": {
         "*": {"steps": 100_000},
         "rnn": {"model_options": {"hidden": 256}},
         "lstm": {"model_options": {"hidden": 256}},
-        "transformer": {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4},
-        "regulargpt-C2": {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4},
-        "regulargpt-C3": {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4},
+        **{c: {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4}
+           for c in ("transformer", *RANDOM_COLUMNS, "regulargpt-C2", "regulargpt-C3")},
     },
 }
 
@@ -406,8 +412,10 @@ def sweep_p(out_dir, models=None, seeds: int = 3, ps=SWEEP_P, progress: bool = T
             s_row, e_row = [], []
             for p in ps:
                 task = make_task("parity", p=p)
-                s_row.append(evaluate_lengths(model, task, [rcfg.train_max], n, s)[rcfg.train_max])
-                e_row.append(float(np.mean(list(evaluate_lengths(model, task, lengths, n, s).values()))))
+                L_max = max_position(rcfg)
+                s_row.append(evaluate_lengths(model, task, [rcfg.train_max], n, s, max_position=L_max)[rcfg.train_max])
+                e_row.append(float(np.mean(list(evaluate_lengths(model, task, lengths, n, s,
+                                                                 max_position=L_max).values()))))
             same.append(s_row)
             extra.append(e_row)
         res["same"][m] = (100 * np.mean(same, axis=0)).tolist()

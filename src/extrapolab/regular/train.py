@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..io import UserError, atomic_write_json, atomic_write_with
+from ..positional import randomized
+from ..positional.base import SchemeError
 from .baselines import build_model
 from .tasks import IGNORE, make_task
 
@@ -63,6 +65,9 @@ class RegularRunConfig:
     test_samples: int = 128
     eval_tokens: int = 8192  # tokens per evaluation batch (memory bound)
     supervision: str = "last"  # "last": the label of the whole string | "prefix": of every prefix
+    #: "contiguous" or "random:L_MAX": the transformer sees sorted positions drawn from [0, L_MAX) for
+    #: every batch, in training and scoring alike (Ruoss et al. 2023; positional/randomized.py)
+    positions: str = "contiguous"
     # where the run trains and is scored, and the forward passes' autocast (``train.placement``
     # rules: auto = CUDA when visible / bf16 on such a GPU). PLACEMENT: not part of the run's identity,
     # so a table resumes a run trained elsewhere; result.json records what was used.
@@ -99,6 +104,16 @@ class RegularRunConfig:
             raise UserError(f"supervision must be 'last' or 'prefix', got {c.supervision!r}")
         if c.supervision == "prefix" and c.model == "regulargpt" and c.model_options.get("K", 1) != 1:
             raise UserError("supervision=prefix needs RegularGPT thickness K=1; drop K or use supervision=last")
+        try:
+            L_max = randomized.parse(c.positions, "positions")
+        except SchemeError as e:
+            raise UserError(str(e)) from None
+        longest = max(c.train_max, c.test_max, *map(int, c.val_lengths))
+        if L_max is not None and c.model != "transformer":
+            raise UserError(f"positions={c.positions} needs model=transformer (the {c.model} takes no positions)")
+        if L_max is not None and L_max < longest:
+            raise UserError(f"positions=random:{L_max} cannot give the {longest}-token strings this run scores "
+                            f"distinct positions; use random:{max(2048, longest)}")
         return c
 
 
@@ -106,10 +121,29 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([int(k) for k in key])
 
 
+def max_position(cfg: RegularRunConfig) -> int | None:
+    """L_MAX of ``cfg.positions`` ("random:L_MAX"), None for contiguous positions."""
+    return randomized.parse(cfg.positions, "positions")
+
+
+def _positions(rng: np.random.Generator, max_position: int | None, length: int, dev) -> torch.Tensor | None:
+    """Sorted random positions [length] for one batch, drawn from the batch's own ``rng`` (so a length's
+    strings and positions depend only on its seed stream), or None (0..length-1)."""
+    if max_position is None:
+        return None
+    return torch.from_numpy(randomized.draw(rng, max_position, length)).to(dev)
+
+
+def _call(model, x: torch.Tensor, positions: torch.Tensor | None, prefixes: bool = False) -> torch.Tensor:
+    fn = model.forward_prefixes if prefixes else model
+    return fn(x) if positions is None else fn(x, positions)
+
+
 @torch.no_grad()
 def accuracy_at(model, task, length: int, samples: int, rng: np.random.Generator,
-                eval_tokens: int = 8192) -> float:
-    """Fraction of ``samples`` fresh strings of ``length`` classified correctly."""
+                eval_tokens: int = 8192, max_position: int | None = None) -> float:
+    """Fraction of ``samples`` fresh strings of ``length`` classified correctly (at random positions
+    from [0, max_position) when given, one draw per batch)."""
     was_training = model.training
     model.eval()
     per = max(1, min(samples, eval_tokens // max(1, length)))
@@ -117,18 +151,20 @@ def accuracy_at(model, task, length: int, samples: int, rng: np.random.Generator
     correct = 0
     for s in range(0, samples, per):
         x, y = task.sample(rng, min(per, samples - s), length)
-        pred = model(torch.from_numpy(x).to(dev)).argmax(-1)  # [b]
+        pos = _positions(rng, max_position, length, dev)
+        pred = _call(model, torch.from_numpy(x).to(dev), pos).argmax(-1)  # [b]
         correct += int((pred == torch.from_numpy(y).to(dev)).sum())
     model.train(was_training)
     return correct / samples
 
 
 def evaluate_lengths(model, task, lengths, samples: int = 128, seed: int = 0,
-                     eval_tokens: int = 8192, progress: bool = False, stream: int = TEST_STREAM) -> dict[int, float]:
-    """{length: accuracy}; each length's strings depend only on (stream, seed, length)."""
+                     eval_tokens: int = 8192, progress: bool = False, stream: int = TEST_STREAM,
+                     max_position: int | None = None) -> dict[int, float]:
+    """{length: accuracy}; each length's strings (and random positions) depend only on (stream, seed, length)."""
     out = {}
     for t in tqdm(list(lengths), desc="eval", disable=not progress, leave=False):
-        out[int(t)] = accuracy_at(model, task, int(t), samples, _rng(stream, seed, t), eval_tokens)
+        out[int(t)] = accuracy_at(model, task, int(t), samples, _rng(stream, seed, t), eval_tokens, max_position)
     return out
 
 
@@ -136,15 +172,12 @@ def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _loss(model, task, x: np.ndarray, y: np.ndarray, supervision: str, place=None) -> torch.Tensor:
+def _loss(model, task, x: np.ndarray, y: np.ndarray, supervision: str, place=None, positions=None) -> torch.Tensor:
     """Cross-entropy of the final label, or (``"prefix"``) the mean over every labelled prefix.
     The forward runs under ``place``'s autocast; the loss is taken on fp32 logits."""
     dev = _device_of(model)
     with place.autocast() if place is not None else contextlib.nullcontext():
-        if supervision == "prefix":
-            logits = model.forward_prefixes(torch.from_numpy(x).to(dev))  # [B, T, classes]
-        else:
-            logits = model(torch.from_numpy(x).to(dev))  # [B, classes]
+        logits = _call(model, torch.from_numpy(x).to(dev), positions, supervision == "prefix")  # [B, (T,) classes]
     if supervision == "prefix":
         target = torch.from_numpy(task.prefix_labels(x)).to(dev)  # [B, T], IGNORE where no label
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE)
@@ -161,7 +194,8 @@ def run_placement(cfg: RegularRunConfig):
 def train_step(model, opt, task, rng: np.random.Generator, lengths, cfg: RegularRunConfig, place) -> float:
     """One optimizer step on a batch of ONE length drawn from ``lengths``; returns its loss."""
     x, y = task.sample(rng, cfg.batch_size, int(rng.choice(lengths)))
-    loss = _loss(model, task, x, y, cfg.supervision, place)
+    pos = _positions(rng, max_position(cfg), x.shape[1], _device_of(model))  # [T] or None (0..T-1)
+    loss = _loss(model, task, x, y, cfg.supervision, place, pos)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.clip:
@@ -193,9 +227,10 @@ def fit(cfg: RegularRunConfig, progress: bool = True):
         if step % cfg.eval_every and step != cfg.steps:
             continue
         with place.autocast():
-            acc_in = accuracy_at(model, task, in_len, cfg.val_samples, _rng(VAL_STREAM, cfg.seed, in_len))
-            acc_val = float(np.mean([accuracy_at(model, task, int(t), cfg.val_samples,
-                                                 _rng(VAL_STREAM, cfg.seed, t)) for t in cfg.val_lengths]))
+            acc_in = accuracy_at(model, task, in_len, cfg.val_samples, _rng(VAL_STREAM, cfg.seed, in_len),
+                                 max_position=max_position(cfg))
+            acc_val = float(np.mean([accuracy_at(model, task, int(t), cfg.val_samples, _rng(VAL_STREAM, cfg.seed, t),
+                                                 max_position=max_position(cfg)) for t in cfg.val_lengths]))
         history.append({"step": step, "loss": float(np.mean(losses)), "acc_train_len": acc_in,
                         "acc_val": acc_val, "seconds": time.perf_counter() - t0})
         losses = []
@@ -244,8 +279,9 @@ def _score(model, cfg: RegularRunConfig, progress: bool = False) -> dict:
     in_lengths = task.lengths(cfg.train_min, cfg.train_max)
     with place.autocast():
         per_len = evaluate_lengths(model, task, test_lengths, cfg.test_samples, cfg.seed,
-                                   cfg.eval_tokens, progress)
-        per_in = evaluate_lengths(model, task, in_lengths, cfg.test_samples, cfg.seed, cfg.eval_tokens)
+                                   cfg.eval_tokens, progress, max_position=max_position(cfg))
+        per_in = evaluate_lengths(model, task, in_lengths, cfg.test_samples, cfg.seed, cfg.eval_tokens,
+                                  max_position=max_position(cfg))
     return {
         "task": task.describe(),
         "eval_seconds": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),

@@ -1,7 +1,8 @@
 """Build a sweep's report from its results.sqlite only: tables (md + csv), figures, report.html.
 
-Tables follow Sandwich paper Table 3 (mean ± std over seeds, paired two-sided t-test against a
-reference scheme, † / *); the cost table follows ALiBi Fig. 2 / thesis Table 3.4; the
+Training curves first (report/curves.py: train and validation loss against step and tokens, seeds as
+a min-max band). Tables follow Sandwich paper Table 3 (mean ± std over seeds, paired two-sided t-test
+against a reference scheme, † / *); the cost table follows ALiBi Fig. 2 / thesis Table 3.4; the
 position-wise figure follows thesis Fig. 3.5 (with the windowed@L_tr reference).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..io import atomic_write_text
 from .db import ResultsDB
 from .html import img_tag, md_table_to_html, page
 from .analysis_section import erf_table, plot_erf_overlay
+from .curves import curves_section
 from .picture import picture_markdown
 from .plots import plot_ppl_vs_length, plot_positionwise
 
@@ -130,6 +132,9 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
     sections: list[tuple[str, str]] = []
     md_parts = [f"# extrapolab report: {meta.get('name', out.name)}\n"]
     Ltr = int(meta.get("train_length", 0))
+    for title, png, caption in curves_section(db, meta.get("schemes") or [], figs, out):
+        sections.append((title, img_tag(png, png.stem) + f"<p>{html.escape(caption)}</p>"))
+        md_parts.append(f"## {title}\n\n![]({png.relative_to(out)})\n\n{caption}\n")
     for t in ppl_tables(db, meta):
         stem = f"ppl_{t['protocol']}_{t['dataset']}"
         atomic_write_text(out / f"{stem}.md", t["markdown"])

@@ -59,11 +59,13 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
 
     def run_fn(e):
         with place.autocast():
-            return evaluate_config(model, tokens, e, cfg.model.train_length)
+            return evaluate_config(model, tokens, e, cfg.model.train_length, positions=C.eval_positions(cfg))
 
     res, md = _evaluate_taus(tau, ecfg, run_fn)
     res["placement"] = place.describe()
     name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
+    if ecfg.bca:  # blockwise causal attention: its own file next to the plain evaluation
+        name = name.replace(".json", "-bca.json")
     atomic_write_json(run / name, res)
     return {"result": res, "markdown": md, "path": run / name}
 

@@ -22,6 +22,7 @@ from .. import config as C
 from ..io import LockBusy, UserError, is_locked, run_lock, run_lock_path
 from ..report.db import ResultsDB
 from .progress import Monitor
+from .record import curve_series, evaluate_run_dir, flatten_eval
 
 
 @dataclass
@@ -30,10 +31,11 @@ class SchemeSpec:
     params: dict = field(default_factory=dict)
     label: str = ""
     model: dict = field(default_factory=dict)  # model.* overrides of this entry, e.g. {arch: regulargpt, C: 8}
+    train: dict = field(default_factory=dict)  # train.* overrides of this entry, e.g. {positions: random:2048}
 
     def __post_init__(self):
         if not self.label:
-            extra = ",".join(f"{k}={v}" for k, v in {**self.params, **self.model}.items())
+            extra = ",".join(f"{k}={v}" for k, v in {**self.params, **self.model, **self.train}.items())
             self.label = f"{self.name}({extra})" if extra else self.name
 
 
@@ -81,10 +83,12 @@ class SweepSpec:
                 schemes.append(SchemeSpec(s))
             elif isinstance(s, dict) and "name" in s:
                 schemes.append(SchemeSpec(s["name"], dict(s.get("params") or {}), s.get("label", ""),
-                                          dict(s.get("model") or {})))
+                                          dict(s.get("model") or {}), dict(s.get("train") or {})))
+                if "seed" in schemes[-1].train:
+                    raise UserError(f"sweep scheme entry {s['name']!r} sets train.seed; the seeds come from sweep.seeds")
             else:
                 raise UserError(f"sweep scheme entry {s!r} must be a name or {{name: ..., params: {{...}}, "
-                                "model: {...}}}")
+                                "model: {...}, train: {...}}}")
         labels = [s.label for s in schemes]
         ref = str(d.get("reference") or labels[0])
         if ref not in labels:
@@ -119,11 +123,12 @@ def load_sweep(name_or_path: str, overrides: list[str] | None = None) -> tuple[C
 
 
 def entry_config(base: C.RunConfig, scheme: SchemeSpec) -> C.RunConfig:
-    """``base`` with this entry's scheme and model overrides, validated (a copy)."""
+    """``base`` with this entry's scheme, model and train overrides, validated (a copy)."""
     cfg = copy.deepcopy(base)
     cfg.model.scheme, cfg.model.scheme_params = scheme.name, dict(scheme.params)
     model = C.from_dict(type(cfg.model), {**cfg.model.to_dict(), **scheme.model}, "sweep scheme model")
     cfg.model = model
+    cfg.train = C.from_dict(type(cfg.train), {**cfg.to_dict()["train"], **scheme.train}, "sweep scheme train")
     C.regular_scheme(cfg, [f"model.scheme={scheme.name}"])  # the entry names its scheme explicitly
     C.validate(cfg)
     return cfg
@@ -271,6 +276,7 @@ def _run_job(job: tuple, progress: bool) -> str:
             summary = train(cfg, run_dir, data=data, progress=progress)
             db.set_status(rid, "evaluating")
             scalars, series, extra = evaluate_run_dir(run_dir, cfg, data)
+            series += curve_series(run_dir, summary)  # the report's training curves
             db.record(rid, {**summary, **extra}, scalars, series)
     except LockBusy as e:
         return (f"{tag}: skipped, another process is on it ({e.holder or 'pid unknown'}); "
@@ -312,77 +318,6 @@ def evaluate_models(out: Path, base: C.RunConfig, spec: SweepSpec, db: ResultsDB
             scalars = [row for row in scalars if row[1] in keep or row[0] == "positionwise"]
             db.record(rid, {"model": res["model"], "params": res["model"]["parameters"],
                             "eval_wall_s": time.time() - t}, scalars, series)
-
-
-def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data) -> tuple[list, list, dict]:
-    """Evaluate a trained run with cfg.eval; flatten to DB rows (scalars, series) + cost extras."""
-    from ..eval import evaluate_config
-    from ..train import load_model, run_placement
-
-    place = run_placement(cfg.train)  # evaluate where (and in the precision) the run trained
-    model, _ = load_model(run_dir, which="best", device=place.device)
-    model.eval()
-    tokens = data.split(cfg.eval.split)
-    t = time.time()
-    with place.autocast():
-        res = evaluate_config(model, tokens, cfg.eval, cfg.model.train_length)
-    from ..io import atomic_write_json
-
-    atomic_write_json(Path(run_dir) / "eval.json", res)
-    extra = {"eval_wall_s": time.time() - t}
-    scalars, series = flatten_eval(res)
-    if cfg.eval.erf_length:  # A1 ERF + A2 TRF of the trained scheme, recorded like any protocol
-        from ..analysis.runner import sweep_analysis
-
-        t = time.time()
-        with place.autocast():
-            an = sweep_analysis(model, cfg, tokens, length=cfg.eval.erf_length, segments=cfg.eval.erf_segments,
-                                eps=cfg.eval.trf_eps)
-        atomic_write_json(Path(run_dir) / "analysis.json", an)
-        extra["analysis_wall_s"] = time.time() - t
-        e = an["erf"]
-        scalars.append(("erf", e["length"], "erf_tokens", float(e["erf_tokens"])))
-        series.append(("erf", e["length"], "c", e["c"]))
-        th = an.get("theory")
-        if th and "error" not in th:
-            scalars.append(("trf", 0, "converging_heads", float(th["converging_heads"])))
-            scalars.append(("trf", 0, "heads", float(th["heads"])))
-            for k in ("mean", "max"):
-                if th.get(k) is not None:
-                    scalars.append(("trf", 0, f"trf_{k}", float(th[k])))
-    scored = sum(v.get("tokens", 0) for v in (res.get("nonoverlapping") or {}).values() if isinstance(v, dict))
-    secs = (res.get("seconds") or {}).get("nonoverlapping")
-    if scored and secs:
-        extra["eval_tokens_per_s"] = scored / secs  # nonoverlapping scoring throughput over all L_ex
-    return scalars, series, extra
-
-
-def flatten_eval(res: dict) -> tuple[list, list]:
-    """eval.evaluate() result -> (scalars [(protocol, L, metric, value)], series [(protocol, L, name, list)]).
-
-    Per-length protocols give one row per numeric field (ppl, nll, tokens, ...); a length that could
-    not run (e.g. learned APE beyond L_tr) stores no row and shows as "—" in the tables. The E6 verdict
-    is stored as protocol "verdict:<p>" with metric extrapolates (0/1) and worst_ratio.
-    """
-    from ..eval.evaluate import BY_LENGTH
-
-    scalars, series = [], []
-    for proto in res.get("protocols", []):
-        body = res.get(proto) or {}
-        if proto in BY_LENGTH:
-            for L, vals in body.items():
-                for metric, v in (vals or {}).items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        scalars.append((proto, int(L), metric, float(v)))
-        elif proto == "positionwise" and "nll" in body:
-            for name in [n for n in ("nll", "ppl", "windowed_nll", "windowed_ppl") if n in body]:
-                series.append((proto, int(body["length"]), name, [x if x is not None else float("nan") for x in body[name]]))
-    for proto, v in (res.get("verdict") or {}).items():
-        if isinstance(v, dict) and "extrapolates" in v:
-            scalars.append((f"verdict:{proto}", 0, "extrapolates", float(bool(v["extrapolates"]))))
-            if isinstance(v.get("worst_ratio"), (int, float)):
-                scalars.append((f"verdict:{proto}", 0, "worst_ratio", float(v["worst_ratio"])))
-    return scalars, series
 
 
 def rebuild_report(out: Path, wall_s: float | None = None) -> Path:

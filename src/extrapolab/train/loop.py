@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -31,45 +30,15 @@ from ..config import RunConfig
 from ..io import UserError, run_lock
 from ..model.attention import flush_denormals
 from ..model.regular_lm import build_model
+from ..positional import randomized
 from . import dist as D
 from . import records as R
+from . import tb
+from .setup import check_train, load_data, same_data, write_checksum
 from .checkpoint import aliases, checkpoint_path, clean_stale, full_weights, load_checkpoint, save_checkpoint, unique_weights
 from .optim import build_optimizer, lr_at, set_lr
 from .sampler import WindowSampler, valid_windows
 from .step import autocast, forward_backward, host_rng, resolve_precision, set_host_rng
-
-CHECKSUM_ENV = "EXTRAPOLAB_RANK_CHECKSUMS"  # test hook: every rank writes rank<r>.checksum.json
-
-
-def _check(cfg: RunConfig) -> None:
-    t = cfg.train
-    for key in ("steps", "batch_size", "grad_accum", "log_every"):
-        if getattr(t, key) < 1:
-            raise UserError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-    for key in ("eval_every", "checkpoint_every", "warmup_steps", "eval_batches"):
-        if getattr(t, key) < 0:
-            raise UserError(f"train.{key} must be >= 0, got {getattr(t, key)}")
-    if t.strategy not in D.STRATEGIES:
-        raise UserError(f"unknown train.strategy {t.strategy!r}; use one of {', '.join(D.STRATEGIES)}")
-
-
-def _load_data(cfg: RunConfig, env: D.DistEnv, progress: bool):
-    from .. import data as data_mod
-
-    if not hasattr(data_mod, "prepare"):
-        raise UserError("extrapolab.data.prepare is not available in this install; pass data=TokenData(...)")
-    out = data_mod.prepare(cfg.data, progress=progress) if env.is_main else None
-    env.barrier()  # rank 0 builds the tokenizer/cache first; the others then read it
-    return out if env.is_main else data_mod.prepare(cfg.data, progress=False)
-
-
-def _same_data(found: RunConfig, wanted: RunConfig, run_dir: Path) -> None:
-    a, b = dataclasses.asdict(found.data), dataclasses.asdict(wanted.data)
-    for key in a:
-        if key != "cache_dir" and a[key] != b.get(key):
-            raise UserError(f"run {run_dir} was trained with data.{key}={a[key]!r}, not {b.get(key)!r}; "
-                            "use the same data settings to resume, or start a new run with another --name")
-
 
 def train(cfg: RunConfig, run_dir: Path | None = None, *, data=None, resume: bool = True,
           progress: bool = True, stop_after: int | None = None) -> dict:
@@ -97,14 +66,14 @@ def train(cfg: RunConfig, run_dir: Path | None = None, *, data=None, resume: boo
 
 class _Trainer:
     def __init__(self, cfg, run_dir, env, data, resume, progress, stop_after):
-        _check(cfg)
+        check_train(cfg)
         self.env, self.progress, self.stop_after = env, progress, stop_after
         self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.out_dir) / cfg.name
         if cfg.train.flush_denormals:
             flush_denormals(True)
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
-        self.data = data if data is not None else _load_data(cfg, env, progress)
+        self.data = data if data is not None else load_data(cfg, env, progress)
         self.cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=int(self.data.vocab_size)))
         self.precision = resolve_precision(cfg.train.precision, env.device)
         self.resume = resume
@@ -116,7 +85,7 @@ class _Trainer:
         last = checkpoint_path(self.run_dir, "last")
         if last is not None and self.resume:
             ckpt = load_checkpoint(last, cfg)
-            _same_data(ckpt.config, cfg, self.run_dir)
+            same_data(ckpt.config, cfg, self.run_dir)
             if ckpt.config.model.vocab_size != cfg.model.vocab_size:
                 raise UserError(f"run {self.run_dir} was trained on a {ckpt.config.model.vocab_size}-token vocabulary "
                                 f"but the data now has {cfg.model.vocab_size}; use the same data or another --name")
@@ -143,6 +112,8 @@ class _Trainer:
         self.window = cfg.model.train_length + 1
         self.sampler = WindowSampler(self.data.split("train"), self.window, tc.batch_size, tc.grad_accum,
                                      tc.seed, env.rank, env.world)
+        self.max_position = randomized.parse(tc.positions)  # None: positions 0..L-1
+        self.positions = randomized.PositionSampler(self.max_position, tc.seed) if self.max_position else None
         if tc.eval_batches:  # eval_batches=0: no validation, so a corpus without a valid split is fine
             windows = valid_windows(self.data.split("valid"), self.window, tc.eval_batches * tc.batch_size)
             self.valid = windows[env.rank::env.world]
@@ -152,6 +123,7 @@ class _Trainer:
         self.step, self.tokens, self.train_seconds = 0, 0, 0.0
         self.best = (math.inf, None)
         self.loss_acc = torch.zeros((), dtype=torch.float64, device=env.device)
+        self.gnorm_acc = torch.zeros((), dtype=torch.float64, device=env.device)  # sum of clipped-step grad norms
         self.loss_count = 0
         if ckpt is not None:
             self._restore(ckpt.state)
@@ -159,6 +131,8 @@ class _Trainer:
             torch.manual_seed(tc.seed + 7919 * (env.rank + 1))  # own dropout stream per rank
         if env.is_main:
             self._prepare_dir(fresh=ckpt is None)
+        self.tb = tb.TensorBoardLog(self.run_dir, self.step, fresh=ckpt is None) \
+            if tc.tensorboard and env.is_main else None
         env.barrier()
         self.start_step = self.step
         return self._loop()
@@ -166,6 +140,8 @@ class _Trainer:
     def _restore(self, st: dict) -> None:
         D.restore_optimizer(self.model, self.optimizer, st["optimizer"])
         self.sampler.load_state_dict(json.loads(st["sampler"]))
+        if self.positions is not None:
+            self.positions.load_state_dict(json.loads(st["positions"]))
         if st.get("scaler"):
             self.scaler.load_state_dict(st["scaler"])
         set_host_rng(st["host_rng"])
@@ -180,6 +156,7 @@ class _Trainer:
         self.train_seconds = float(st["train_seconds"])
         self.best = (float(st["best_valid_loss"]), st["best_step"])
         self.loss_acc.fill_(float(st["loss_acc"]) / self.env.world)
+        self.gnorm_acc.fill_(float(st.get("gnorm_acc", 0.0)))  # checkpoints before grad norms were logged: 0
         self.loss_count = int(st["loss_count"])
 
     def _prepare_dir(self, fresh: bool) -> None:
@@ -213,14 +190,17 @@ class _Trainer:
                     break
                 t0 = time.perf_counter()
                 batches = [torch.from_numpy(b).to(env.device) for b in self.sampler.step_batches()]  # [b, L+1]
+                positions = None if self.positions is None else \
+                    [self.positions.draw(cfg.model.train_length, env.device) for _ in batches]  # [L] per micro-batch
                 first_batch = first_batch or hashlib.sha256(batches[0].cpu().numpy().tobytes()).hexdigest()
                 lr = lr_at(self.step, tc)
                 set_lr(self.optimizer, lr)
                 loss = forward_backward(self.model, batches, self.precision, env.device,
-                                        self.scaler if self.scaler.is_enabled() else None)
+                                        self.scaler if self.scaler.is_enabled() else None, positions)
                 if tc.grad_clip > 0:
                     self.scaler.unscale_(self.optimizer)
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                    norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+                    self.gnorm_acc += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -239,9 +219,12 @@ class _Trainer:
                     row = {"step": self.step, "loss": total / self.loss_count, "lr": lr, "tokens": self.tokens,
                            "sec_per_step": interval_time / interval_steps,
                            "tokens_per_s": tokens_per_step * interval_steps / interval_time}
+                    if tc.grad_clip > 0:  # the global norm before clipping, mean over the interval
+                        row["grad_norm"] = self.gnorm_acc.item() / self.loss_count
                     self._row(row)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                     self.loss_acc.zero_()
+                    self.gnorm_acc.zero_()
                     self.loss_count, interval_time, interval_steps = 0, 0.0, 0
                 finished = self.step == tc.steps
                 if (tc.eval_every and self.step % tc.eval_every == 0) or finished:
@@ -251,7 +234,9 @@ class _Trainer:
                 bar.update(1)
         finally:
             bar.close()
-        self._write_checksum(first_batch)
+            if self.tb is not None:
+                self.tb.close()
+        write_checksum(self.raw, env, self.run_dir, self.step, first_batch)
         if self.step < tc.steps:
             R.peak_memory(self.memory)  # stop measuring (a sampler thread where the kernel cannot reset)
             return {"finished": False, "step": self.step, "run_dir": str(self.run_dir)}
@@ -260,6 +245,8 @@ class _Trainer:
     def _row(self, row: dict) -> None:
         if self.env.is_main:
             R.append_row(self.run_dir, row)
+            if self.tb is not None:
+                self.tb.row(row)
 
     @torch.no_grad()
     def _validate(self) -> None:
@@ -269,10 +256,14 @@ class _Trainer:
         b = max(1, self.cfg.train.batch_size // env.world)
         self.raw.eval()
         nll = torch.zeros((), dtype=torch.float64, device=env.device)
+        # random positions: the same draws at every validation, so valid losses compare across steps
+        draws = randomized.PositionSampler(self.max_position, self.cfg.train.seed, randomized.STREAM_VALID) \
+            if self.max_position else None
         for i in range(0, len(self.valid), b):
             x = torch.from_numpy(self.valid[i:i + b]).to(env.device)  # [b, L+1]
+            pos = None if draws is None else draws.draw(x.shape[1] - 1, env.device)  # [L]
             with autocast(self.precision, env.device):
-                logits = self.raw(x[:, :-1])  # [b, L, V]
+                logits = self.raw(x[:, :-1], pos)  # [b, L, V]
             nll += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                    reduction="sum").double()
         self.raw.train()
@@ -298,9 +289,11 @@ class _Trainer:
                 "step": self.step, "finished": finished, "optimizer": optim,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "sampler": json.dumps(self.sampler.state_dict()), "host_rng": host_rng(),
+                "positions": json.dumps(self.positions.state_dict()) if self.positions is not None else None,
                 "torch_rng": torch_rng, "cuda_rng": cuda_rng, "tokens": self.tokens,
                 "train_seconds": self.train_seconds, "best_valid_loss": self.best[0], "best_step": self.best[1],
                 "loss_acc": loss_acc, "loss_count": self.loss_count, "world_size": env.world,
+                "gnorm_acc": self.gnorm_acc.item(),
             }
             save_checkpoint(self.run_dir / "checkpoints" / "last", unique_weights(weights, self.alias), self.cfg, state)
         env.barrier()
@@ -318,19 +311,8 @@ class _Trainer:
                 "peak_memory_mb": mem, "peak_memory_kind": kind, "device": str(env.device),
                 "precision": self.precision, "world_size": env.world, "strategy": tc.strategy,
                 "scheme": self.cfg.model.scheme, "train_length": self.cfg.model.train_length,
+                "positions": tc.positions,
             }
             summary = R.build_summary(self.run_dir, base, tokens_per_step)
             R.write_summary(self.run_dir, summary)
         return env.all_gather(summary)[0]
-
-    def _write_checksum(self, first_batch: str | None) -> None:
-        if not os.environ.get(CHECKSUM_ENV):
-            return
-        h = hashlib.sha256()
-        for name, t in sorted(self.raw.state_dict().items()):
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t  # FSDP: gather the shards
-            h.update(name.encode())
-            h.update(full.detach().float().cpu().numpy().tobytes())
-        out = {"rank": self.env.rank, "world": self.env.world, "step": self.step,
-               "params_sha256": h.hexdigest(), "first_batch_sha256": first_batch}
-        (self.run_dir / f"rank{self.env.rank}.checksum.json").write_text(json.dumps(out) + "\n")

@@ -1,13 +1,15 @@
 """Run records: ``metrics.jsonl`` (one JSON row per log / validation), ``summary.json``, this run's peak memory.
 
-Rows: ``{"step", "loss", "lr", "tokens", "sec_per_step", "tokens_per_s"}`` every ``log_every``
-steps (loss = mean train loss over the steps since the previous row, averaged over micro-batches
-and processes) and ``{"step", "valid_loss", "valid_ppl"}`` at each validation. On resume the rows
+Rows: ``{"step", "loss", "lr", "tokens", "sec_per_step", "tokens_per_s", "grad_norm"}`` every
+``log_every`` steps (loss = mean train loss over the steps since the previous row, averaged over
+micro-batches and processes; grad_norm = the mean global gradient norm before clipping over those
+steps, present when ``train.grad_clip`` > 0) and ``{"step", "valid_loss", "valid_ppl"}`` at each validation. On resume the rows
 after the checkpoint's step are dropped (they are re-done), so the file reads as one clean run.
 """
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from ..io import atomic_write_text
 from ..memory import PeakMemory
 
 METRICS, SUMMARY = "metrics.jsonl", "summary.json"
+CURVES = ("train_step", "train_loss", "train_tokens", "valid_step", "valid_loss", "valid_tokens")
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -89,3 +92,22 @@ def read_summary(run_dir: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def curves(rows: list[dict], tokens_per_step: float | None = None) -> dict[str, list[float]]:
+    """metrics.jsonl rows -> {name: values} for :data:`CURVES` (the report's training curves).
+    Validation rows carry no token count: it is step x tokens per step (from the summary, else from
+    the train rows)."""
+    train = [r for r in rows if "loss" in r and "step" in r]
+    valid = [r for r in rows if "valid_loss" in r and "step" in r]
+    if not tokens_per_step:
+        tokens_per_step = next((r["tokens"] / r["step"] for r in train if r.get("tokens") and r["step"]), None)
+    tps = float(tokens_per_step) if tokens_per_step else math.nan
+    return {
+        "train_step": [float(r["step"]) for r in train],
+        "train_loss": [float(r["loss"]) for r in train],
+        "train_tokens": [float(r.get("tokens", r["step"] * tps)) for r in train],
+        "valid_step": [float(r["step"]) for r in valid],
+        "valid_loss": [float(r["valid_loss"]) for r in valid],
+        "valid_tokens": [float(r["step"]) * tps for r in valid],
+    }

@@ -39,9 +39,11 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def forward_backward(model, micro_batches, precision="fp32", device=torch.device("cpu"), scaler=None) -> torch.Tensor:
+def forward_backward(model, micro_batches, precision="fp32", device=torch.device("cpu"), scaler=None,
+                     positions=None) -> torch.Tensor:
     """Accumulate gradients of the mean next-token loss over ``micro_batches`` (each [b, L+1]).
 
+    ``positions``: None (0..L-1) or one [L] tensor per micro-batch (randomized positions).
     Returns the detached mean loss. Gradient sync (DDP/FSDP) only on the last micro-batch.
     """
     n = len(micro_batches)
@@ -49,7 +51,7 @@ def forward_backward(model, micro_batches, precision="fp32", device=torch.device
     for i, x in enumerate(micro_batches):
         with D.sync_context(model, i == n - 1):
             with autocast(precision, device):
-                logits = model(x[:, :-1])  # [b, L, V]
+                logits = model(x[:, :-1], None if positions is None else positions[i])  # [b, L, V]
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
             (scaler.scale(loss / n) if scaler is not None else loss / n).backward()
         total += loss.detach().double()
