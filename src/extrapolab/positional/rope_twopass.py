@@ -71,7 +71,8 @@ class FarRule:
 
 def selfextend_max_length(train_length: int, window: int, group: int) -> int:
     """(L_tr - w)·G + w: the longest input whose grouped relative positions all stay below L_tr
-    (Jin et al. 2024; datamllab/LongLM README §4)."""
+    (Jin et al. 2024; datamllab/LongLM README §4). Exact when G divides w; otherwise the floor of
+    w/G makes the farthest pair at that length reach L_tr itself (one position generous)."""
     return (int(train_length) - int(window)) * int(group) + int(window)
 
 
