@@ -1,0 +1,285 @@
+"""Self-Extend, ReRoPE, leaky ReRoPE and log-n inside a tiny random Llama (GQA: 4 query heads, 2 KV
+heads) through transformers' attention-function registry (hf/extend.py), and Algorithm 1's
+statistics computed block-wise from the model's own q and k.
+
+Reference, per layer: the attention module's input hidden states (captured by a forward hook) go
+through its own q/k/v/o projections here; q and k are rotated in complex form in Hugging Face's
+half layout (pairs (i, i + d/2)) by the relative position matrix of each paper's rule, written
+again here (Self-Extend: m - n below w, else floor(m/G) + w - floor(w/G) - floor(n/G); ReRoPE:
+min(m - n, w); leaky: w + (m - n - w)/k), then an explicit causal softmax in float64.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import MAXPOS, TEXT, save_tiny  # noqa: E402
+
+from extrapolab.hf import HFBlockTarget, HFTarget, load_hf, open_hf, parse_rope  # noqa: E402
+from extrapolab.hf.extend import ATTN, OPTS_KWARG  # noqa: E402
+from extrapolab.io import UserError  # noqa: E402
+from extrapolab.memory import PeakMemory  # noqa: E402
+from extrapolab.model.attention import AttnOptions  # noqa: E402
+
+SPECS = {  # --rope -> (the paper's rule parameters, log-n)
+    "selfextend:2,8": ({"method": "selfextend", "G": 2, "w": 8}, False),
+    "selfextend:3,9+logn": ({"method": "selfextend", "G": 3, "w": 9}, True),
+    "rerope:6": ({"method": "rerope", "w": 6}, False),
+    "rerope:6+logn": ({"method": "rerope", "w": 6}, True),
+    "rerope-leaky:6,4": ({"method": "rerope-leaky", "w": 6, "k": 4.0}, False),
+    "logn": ({}, True),
+    "linear:2+rerope:6": ({"method": "rerope", "w": 6, "pi": 2.0}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_tiny("llama", tmp_path_factory.mktemp("ext") / "llama")
+
+
+def _open(folder, **kw):
+    return open_hf(f"hf:{folder}", device="cpu", dtype="fp32", **kw)
+
+
+def _ids(model, L):
+    ids = np.asarray(model.loaded.tokenizer(TEXT * 4)["input_ids"], dtype=np.int64)
+    return torch.from_numpy(ids[:L])[None]
+
+
+def _relative(rule, L):
+    m = torch.arange(L, dtype=torch.float64)[:, None]
+    n = torch.arange(L, dtype=torch.float64)[None, :]
+    d = m - n
+    if not rule:
+        return d
+    w = rule["w"]
+    if rule["method"] == "selfextend":
+        far = torch.floor(m / rule["G"]) + w - w // rule["G"] - torch.floor(n / rule["G"])
+    elif rule["method"] == "rerope":
+        far = torch.full_like(d, float(w))
+    else:
+        far = w + (d - w) / rule["k"]
+    return torch.where(d < w, d, far)
+
+
+def _reference_layer(attn, h, R, logn: bool):
+    """The attention module's output for input h [1, L, C] by the paper's rule R [L, L] (module doc)."""
+    cfg = attn.config
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
+    h = h.double()
+    L = h.shape[1]
+    q = (h @ attn.q_proj.weight.double().T).view(1, L, H, D).transpose(1, 2)  # [1, H, L, D]
+    k = (h @ attn.k_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)  # [1, Hkv, L, D]
+    v = (h @ attn.v_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)
+    k, v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))  # GQA: head h reads KV head h // rep
+    theta = cfg.rope_parameters["rope_theta"] ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # [D/2]
+    theta = theta / cfg.rope_parameters.get("factor", 1.0)  # linear (position interpolation)
+    zq = torch.complex(q[..., :D // 2], q[..., D // 2:])  # half layout
+    zk = torch.complex(k[..., :D // 2], k[..., D // 2:])
+    s = torch.einsum("bhmi,bhni,mni->bhmn", zq, zk.conj(), torch.exp(1j * R[..., None] * theta)).real
+    s = s * D ** -0.5
+    if logn:
+        s = s * (torch.log(torch.arange(1, L + 1, dtype=torch.float64)) / math.log(MAXPOS)).clamp(min=1)[:, None]
+    s = s.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), 1), -math.inf)
+    out = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(1, L, H * D)
+    return out @ attn.o_proj.weight.double().T
+
+
+def _layer_io(model, ids):
+    """[(attention module, input hidden states, output)] of every layer for one forward."""
+    got, hooks = [], []
+    for mod in model.hf.modules():
+        if type(mod).__name__ == "LlamaAttention":
+            hooks.append(mod.register_forward_hook(
+                lambda m, a, kw, out: got.append((m, kw["hidden_states"].detach(), out[0].detach())),
+                with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_every_layer_equals_the_papers_dense_rule(llama, spec):
+    rule, logn = SPECS[spec]
+    m = _open(llama, rope=spec)
+    assert m.loaded.attn_implementation == ATTN
+    if "pi" in rule:
+        assert m.hf.config.rope_parameters["factor"] == rule.pop("pi")
+    L = 110
+    io = _layer_io(m, _ids(m, L))
+    assert len(io) == 2
+    R = _relative(rule, L)
+    for attn, h, out in io:
+        want = _reference_layer(attn, h, R, logn)
+        assert (out.double() - want).abs().max() < 2e-5, (spec, (out.double() - want).abs().max())
+
+
+def test_plain_rope_inside_the_window_and_the_merge_beyond(llama):
+    """Layer 0 (same input everywhere): the tau = 1 logits of every method equal plain RoPE's for
+    keys nearer than w and differ beyond; with w past the input the whole model is plain RoPE."""
+    plain = _open(llama, attn=ATTN)
+    ids = _ids(plain, 90)
+
+    def layer0(model):
+        rows = []
+        opts = AttnOptions(logits_sink=lambda layer, lg, n: rows.append(lg) if layer == 0 else None, block_size=32)
+        with torch.no_grad():
+            model.hf(input_ids=ids, use_cache=False, **{OPTS_KWARG: opts})
+        return torch.cat([torch.nn.functional.pad(r, (0, 90 - r.shape[-1]), value=-math.inf) for r in rows], 2)
+
+    base = layer0(plain)
+    d = torch.arange(90)[:, None] - torch.arange(90)[None, :]
+    for spec, w in (("selfextend:2,8", 8), ("rerope:6", 6), ("rerope-leaky:6,4", 6)):
+        got = layer0(_open(llama, rope=spec))
+        near, far = (d >= 0) & (d < w), d >= w
+        assert torch.allclose(got[..., near], base[..., near], atol=1e-6, rtol=0), spec
+        assert (got[..., far] - base[..., far]).abs().max() > 1e-3, spec
+    sdpa = _open(llama)
+    with torch.no_grad():
+        want = sdpa(ids)
+        for spec in ("selfextend:4,95", "rerope:95", "rerope-leaky:95,8"):  # w > 89: every key is near
+            got = _open(llama, rope=spec, train_length=100)(ids)
+            assert (got - want).abs().max() < 2e-5, spec
+
+
+@pytest.mark.parametrize("spec", ["selfextend:2,8+logn", "rerope:6", "logn"])
+def test_kv_cache_generation_equals_the_full_forward(llama, spec):
+    m = _open(llama, rope=spec)
+    ids = _ids(m, 70)
+    with torch.no_grad():
+        full = m.hf(input_ids=ids, use_cache=False).logits
+        out = m.hf(input_ids=ids[:, :30], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for t in range(30, 70):
+            out = m.hf(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+    assert (torch.cat(steps, 1) - full).abs().max() < 2e-5
+
+
+def test_temperature_and_plain_attention_through_the_registered_function(llama):
+    """No extension: our function equals sdpa; hf_temperature (``scaling``) and a per-layer
+    AttnOptions temperature give the same sharpened model."""
+    from extrapolab.hf import hf_temperature
+
+    ours, sdpa = _open(llama, attn=ATTN), _open(llama)
+    ids = _ids(ours, 60)
+    with torch.no_grad():
+        assert (ours(ids) - sdpa(ids)).abs().max() < 2e-5
+        with hf_temperature(sdpa, [0.5, 0.8]):
+            want = sdpa(ids)
+        got = ours.hf(input_ids=ids, use_cache=False, **{OPTS_KWARG: AttnOptions(temperature=(0.5, 0.8))}).logits
+        assert (got - want).abs().max() < 2e-5
+        with hf_temperature(ours, [0.5, 0.8]):
+            assert (ours(ids) - want).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("propagate", [True, False])
+@pytest.mark.parametrize("spec", [None, "rerope:6"])
+def test_blockwise_statistics_equal_the_eager_probabilities(llama, propagate, spec):
+    """Algorithm 1's P_max, entropy and layer-0 average logit vector: block-wise from q, k through the
+    registered function == from eager [B, H, L, L] probabilities (ReRoPE: eager on a plain model
+    cannot show it, so the reference there is the same function with one block per layer)."""
+    from extrapolab.align import collect_logit_stats
+
+    block = _open(llama, attn=ATTN, rope=spec)
+    ref = _open(llama, attn="eager") if spec is None else block
+    segs = _ids(block, 128).reshape(2, 64).numpy()
+    taus = [1.0, 0.8, 0.6]
+    got = collect_logit_stats(HFBlockTarget(block, block_size=16), segs, taus, propagate=propagate, layer0=True,
+                              batch_size=2)
+    tgt = HFTarget(ref) if spec is None else HFBlockTarget(ref, block_size=64)
+    want = collect_logit_stats(tgt, segs, taus, propagate=propagate, layer0=True, batch_size=2)
+    for key in ("pmax", "entropy"):
+        assert np.allclose(got[key], want[key], rtol=1e-5, atol=1e-6), key
+    assert np.allclose(got["per_layer_pmax"], want["per_layer_pmax"], atol=1e-5)
+    assert got["softmaxes"] == want["softmaxes"] == 2 * 2 * 4 * 64
+    if "layer0" in want:
+        assert got["layer0"]["sigma"] == pytest.approx(want["layer0"]["sigma"], rel=1e-5)
+        assert got["layer0"]["length"] == pytest.approx(want["layer0"]["length"], rel=1e-6)
+    with pytest.raises(UserError, match=ATTN):
+        HFBlockTarget(_open(llama))
+
+
+class Largest(TorchFunctionMode):
+    """Records the element count of the largest tensor any torch call returns inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_long_input_never_materialises_LxL(llama):
+    """2,048 tokens, 4 heads: no tensor of the two-pass forward or of the block-wise statistics holds
+    more than one query block of logits [H, 64, L] (an [L, L] one would be 64 times that), and the
+    forward's peak memory stays far below one [4, L, L] fp32 score tensor (64 MiB)."""
+    from extrapolab.align.temperature import SoftmaxStats
+
+    L = 2048
+    m = _open(llama, rope="selfextend:4,16", train_length=MAXPOS)
+    ids = torch.randint(0, 300, (1, L), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), PeakMemory() as mem, Largest() as big:
+        m.hf(input_ids=ids, use_cache=False, logits_to_keep=1)
+    assert mem.mib < 32 and big.numel < L * L, (mem.mib, big.numel)
+    target = HFBlockTarget(m, block_size=64)
+    sink = SoftmaxStats(target.num_layers, [1.0, 0.7], layer0=True)
+    with torch.no_grad(), target.scope(0.7, sink), Largest() as big:
+        target.forward(ids)
+    assert big.numel <= 4 * 64 * L * 2, big.numel  # [H, 64, L] logits (int64 quantile indices: 2 words)
+    assert sink.summary()["softmaxes"] == 2 * 4 * L
+
+
+def test_rope_syntax_and_run_record(llama, tmp_path):
+    s = parse_rope("yarn:2+selfextend:4,16+logn")
+    assert s.rewrite == ("yarn", 2.0) and s.method == "selfextend" and s.params == {"G": 4, "w": 16} and s.logn == 0
+    assert parse_rope("rerope-leaky:8").params == {"w": 8} and parse_rope("logn:4096").logn == 4096
+    m = _open(llama, rope="selfextend:4,16+logn")
+    rec = m.loaded.info["rope_extension"]
+    assert rec == {"method": "selfextend", "w": 16, "G": 4, "max_length": (MAXPOS - 16) * 4 + 16, "logn": MAXPOS}
+    assert json.loads(json.dumps(m.hf.config.to_dict()))["extrapolab_rope"]["G"] == 4
+    defaults = _open(llama, rope="rerope-leaky").loaded.info["rope_extension"]
+    assert defaults == {"method": "rerope-leaky", "w": MAXPOS // 8, "k": 16.0}
+    from extrapolab.hf import default_out
+
+    assert str(default_out(m.loaded)).endswith("hf-llama-selfextend4_16-logn")
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("selfextend", "group size"), ("selfextend:4,1000", "1 <= w < L_tr"), ("rerope:0", "1 <= w < L_tr"),
+    ("rerope-leaky:8,0.5", "k must be"), ("rerope:6+selfextend:2", "one two-pass"), ("dynamic:2+rerope:6", "dynamic"),
+    ("selfextend:2.5", "whole numbers"), ("logn:1", "L >= 2"), ("rerope:6,7", "at most 1"), ("lognn", "joined by"),
+])
+def test_bad_rope_specs_fail_in_one_line(llama, bad, match):
+    with pytest.raises(UserError, match=match) as err:
+        _open(llama, rope=bad)
+    assert "\n" not in str(err.value)
+
+
+def test_non_rope_model_and_padding_are_refused(tmp_path, llama):
+    gpt2 = save_tiny("gpt2", tmp_path / "gpt2")
+    with pytest.raises(UserError, match="RoPE models"):
+        _open(gpt2, rope="rerope:6")
+    m = load_hf(f"hf:{llama}", device="cpu", dtype="fp32", rope="rerope:6")
+    ids = torch.ones(2, 20, dtype=torch.long)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :5] = 0
+    with pytest.raises(UserError, match="padded"):
+        m.model(input_ids=ids, attention_mask=mask)
