@@ -283,3 +283,32 @@ def test_non_rope_model_and_padding_are_refused(tmp_path, llama):
     mask[1, :5] = 0
     with pytest.raises(UserError, match="padded"):
         m.model(input_ids=ids, attention_mask=mask)
+
+
+def test_cli_eval_and_align_record_the_extension(llama, tmp_path):
+    """`eval` and `align` (block-wise statistics) with --rope on hf:PATH, recorded in their results."""
+    from typer.testing import CliRunner
+
+    from extrapolab.cli.main import app
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"d{i:02d}.txt").write_text(f"doc {i}\n" + TEXT[i * 40:] + TEXT[: i * 40])
+    sets = [x for kv in (f"data.corpus=path:{docs}", f"data.cache_dir={tmp_path / 'cache'}", "data.test_percent=50",
+                         "data.valid_percent=10", "eval.num_tokens=300") for x in ("--set", kv)]
+    out = tmp_path / "out"
+    args = ["--rope", "selfextend:2,16+logn", "--out", out, "--device", "cpu", *sets]
+    r = CliRunner().invoke(app, [str(a) for a in ["eval", f"hf:{llama}", "--lengths", "96", "--protocol",
+                                                  "nonoverlapping", *args]], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    model = json.loads((out / "eval.json").read_text())["model"]
+    assert model["rope"] == "selfextend:2,16+logn" and model["attn_implementation"] == ATTN
+    assert model["rope_extension"] == {"method": "selfextend", "w": 16, "G": 2, "max_length": 80, "logn": MAXPOS}
+    r = CliRunner().invoke(app, [str(a) for a in ["align", f"hf:{llama}", "--lengths", "96", "--segments", "1",
+                                                  *args]], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "temperature.json").read_text())
+    assert res["model"]["rope_extension"]["method"] == "selfextend" and 0.5 <= res["tau"]["pmax"]["96"] <= 1.0
+    r = CliRunner().invoke(app, ["eval", f"hf:{llama}", "--rope", "selfextend:4,48", "--lengths", "96", *sets])
+    assert r.exit_code == 2 and "rope" in r.output.lower()

@@ -117,6 +117,12 @@ class HFTarget(ProbsTarget):
         return self.model(ids)
 
 
+def block_statistics(model_type: str) -> bool:
+    """Whether the family's attention goes through transformers' attention interface (its module's
+    ``scaling`` reaches the attention function), so :class:`HFBlockTarget` can align it."""
+    return KINDS.get(model_type) == "scaling"
+
+
 class HFBlockTarget:
     """Algorithm 1 target over an HF causal LM loaded with ``attn_implementation="extrapolab"``:
     per-layer tau and the statistics sink travel as ``AttnOptions`` in the forward keyword
@@ -126,6 +132,9 @@ class HFBlockTarget:
     def __init__(self, model, block_size: int = 256) -> None:
         hf = _hf(model)
         impl = getattr(hf.config, "_attn_implementation", None)
+        if not block_statistics(hf.config.model_type):
+            raise UserError(f"{hf.config.model_type} attention does not go through transformers' attention "
+                            "interface; align it with HFTarget on attn='eager'")
         if impl != ATTN:
             raise UserError(f"block-wise alignment statistics need attn_implementation={ATTN!r} (got {impl!r}); "
                             f"load the model with load_hf(..., attn={ATTN!r})")
