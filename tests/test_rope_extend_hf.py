@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 transformers = pytest.importorskip("transformers")
 
 from hf_tiny import MAXPOS, TEXT, save_tiny  # noqa: E402
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from extrapolab.hf import HFBlockTarget, HFTarget, load_hf, open_hf, parse_rope  # noqa: E402
 from extrapolab.hf.extend import ATTN, OPTS_KWARG  # noqa: E402
@@ -35,7 +36,8 @@ SPECS = {  # --rope -> (the paper's rule parameters, log-n)
     "rerope:6+logn": ({"method": "rerope", "w": 6}, True),
     "rerope-leaky:6,4": ({"method": "rerope-leaky", "w": 6, "k": 4.0}, False),
     "logn": ({}, True),
-    "linear:2+rerope:6": ({"method": "rerope", "w": 6, "pi": 2.0}, False),
+    "linear:2+rerope:6": ({"method": "rerope", "w": 6}, False),
+    "yarn:2+selfextend:2,8": ({"method": "selfextend", "G": 2, "w": 8}, False),
 }
 
 
@@ -79,12 +81,16 @@ def _reference_layer(attn, h, R, logn: bool):
     k = (h @ attn.k_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)  # [1, Hkv, L, D]
     v = (h @ attn.v_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)
     k, v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))  # GQA: head h reads KV head h // rep
-    theta = cfg.rope_parameters["rope_theta"] ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)  # [D/2]
-    theta = theta / cfg.rope_parameters.get("factor", 1.0)  # linear (position interpolation)
+    rp = cfg.rope_parameters
+    if rp["rope_type"] == "default":
+        theta, f = rp["rope_theta"] ** (-torch.arange(0, D, 2, dtype=torch.float64) / D), 1.0  # [D/2]
+    else:  # a rewrite (--rope linear:2 / yarn:2): transformers' own frequencies and attention factor
+        inv, f = ROPE_INIT_FUNCTIONS[rp["rope_type"]](cfg, "cpu")
+        theta = inv.double()
     zq = torch.complex(q[..., :D // 2], q[..., D // 2:])  # half layout
     zk = torch.complex(k[..., :D // 2], k[..., D // 2:])
     s = torch.einsum("bhmi,bhni,mni->bhmn", zq, zk.conj(), torch.exp(1j * R[..., None] * theta)).real
-    s = s * D ** -0.5
+    s = s * D ** -0.5 * f * f  # the factor multiplies q and k (YaRN's 0.1 ln s + 1)
     if logn:
         s = s * (torch.log(torch.arange(1, L + 1, dtype=torch.float64)) / math.log(MAXPOS)).clamp(min=1)[:, None]
     s = s.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), 1), -math.inf)
@@ -114,8 +120,6 @@ def test_every_layer_equals_the_papers_dense_rule(llama, spec):
     rule, logn = SPECS[spec]
     m = _open(llama, rope=spec)
     assert m.loaded.attn_implementation == ATTN
-    if "pi" in rule:
-        assert m.hf.config.rope_parameters["factor"] == rule.pop("pi")
     L = 110
     io = _layer_io(m, _ids(m, L))
     assert len(io) == 2
