@@ -32,6 +32,7 @@ from extrapolab.model.attention import AttnOptions  # noqa: E402
 SPECS = {  # --rope -> (the paper's rule parameters, log-n)
     "selfextend:2,8": ({"method": "selfextend", "G": 2, "w": 8}, False),
     "selfextend:3,9+logn": ({"method": "selfextend", "G": 3, "w": 9}, True),
+    "selfextend:2,8+logn": ({"method": "selfextend", "G": 2, "w": 8}, True),
     "rerope:6": ({"method": "rerope", "w": 6}, False),
     "rerope:6+logn": ({"method": "rerope", "w": 6}, True),
     "rerope-leaky:6,4": ({"method": "rerope-leaky", "w": 6, "k": 4.0}, False),
@@ -71,40 +72,54 @@ def _relative(rule, L):
     return torch.where(d < w, d, far)
 
 
+def _projections(attn, h):
+    """q [1, H, L, D], k, v [1, Hkv, L, D] and the output projection of the module, float64."""
+    cfg, L = attn.config, h.shape[1]
+    H = cfg.num_attention_heads
+    if hasattr(attn, "query_key_value"):  # GPT-NeoX: one fused projection, [q | k | v] per head
+        qkv = torch.nn.functional.linear(h, attn.query_key_value.weight.double(), attn.query_key_value.bias.double())
+        q, k, v = qkv.view(1, L, H, -1).transpose(1, 2).chunk(3, dim=-1)
+        return q, k, v, attn.dense
+    D, Hkv = attn.head_dim, cfg.num_key_value_heads
+    q = (h @ attn.q_proj.weight.double().T).view(1, L, H, D).transpose(1, 2)
+    k = (h @ attn.k_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)
+    v = (h @ attn.v_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)
+    return q, k, v, attn.o_proj
+
+
 def _reference_layer(attn, h, R, logn: bool):
     """The attention module's output for input h [1, L, C] by the paper's rule R [L, L] (module doc)."""
     cfg = attn.config
-    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim
     h = h.double()
     L = h.shape[1]
-    q = (h @ attn.q_proj.weight.double().T).view(1, L, H, D).transpose(1, 2)  # [1, H, L, D]
-    k = (h @ attn.k_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)  # [1, Hkv, L, D]
-    v = (h @ attn.v_proj.weight.double().T).view(1, L, Hkv, D).transpose(1, 2)
-    k, v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))  # GQA: head h reads KV head h // rep
+    q, k, v, proj = _projections(attn, h)
+    H, D = q.shape[1], q.shape[-1]
+    k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # GQA: head h reads KV head h // rep
     rp = cfg.rope_parameters
+    rot = int(D * rp.get("partial_rotary_factor", 1.0))  # GPT-NeoX rotates the first rot dims only
     if rp["rope_type"] == "default":
-        theta, f = rp["rope_theta"] ** (-torch.arange(0, D, 2, dtype=torch.float64) / D), 1.0  # [D/2]
+        theta, f = rp["rope_theta"] ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot), 1.0  # [rot/2]
     else:  # a rewrite (--rope linear:2 / yarn:2): transformers' own frequencies and attention factor
         inv, f = ROPE_INIT_FUNCTIONS[rp["rope_type"]](cfg, "cpu")
         theta = inv.double()
-    zq = torch.complex(q[..., :D // 2], q[..., D // 2:])  # half layout
-    zk = torch.complex(k[..., :D // 2], k[..., D // 2:])
-    s = torch.einsum("bhmi,bhni,mni->bhmn", zq, zk.conj(), torch.exp(1j * R[..., None] * theta)).real
-    s = s * D ** -0.5 * f * f  # the factor multiplies q and k (YaRN's 0.1 ln s + 1)
+    zq = torch.complex(q[..., :rot // 2], q[..., rot // 2:rot])  # half layout
+    zk = torch.complex(k[..., :rot // 2], k[..., rot // 2:rot])
+    s = torch.einsum("bhmi,bhni,mni->bhmn", zq, zk.conj(), torch.exp(1j * R[..., None] * theta)).real * f * f
+    s = (s + q[..., rot:] @ k[..., rot:].transpose(-1, -2)) * D ** -0.5  # f: YaRN's factor on q and k
     if logn:
         s = s * (torch.log(torch.arange(1, L + 1, dtype=torch.float64)) / math.log(MAXPOS)).clamp(min=1)[:, None]
     s = s.masked_fill(torch.triu(torch.ones(L, L, dtype=torch.bool), 1), -math.inf)
     out = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(1, L, H * D)
-    return out @ attn.o_proj.weight.double().T
+    return torch.nn.functional.linear(out, proj.weight.double(), None if proj.bias is None else proj.bias.double())
 
 
 def _layer_io(model, ids):
     """[(attention module, input hidden states, output)] of every layer for one forward."""
     got, hooks = [], []
     for mod in model.hf.modules():
-        if type(mod).__name__ == "LlamaAttention":
+        if type(mod).__name__ in ("LlamaAttention", "GPTNeoXAttention"):
             hooks.append(mod.register_forward_hook(
-                lambda m, a, kw, out: got.append((m, kw["hidden_states"].detach(), out[0].detach())),
+                lambda m, a, kw, out: got.append((m, (a[0] if a else kw["hidden_states"]).detach(), out[0].detach())),
                 with_kwargs=True))
     try:
         with torch.no_grad():
@@ -117,8 +132,19 @@ def _layer_io(model, ids):
 
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_every_layer_equals_the_papers_dense_rule(llama, spec):
+    _check_layers(_open(llama, rope=spec), spec)
+
+
+@pytest.mark.parametrize("spec", ["selfextend:2,8+logn", "rerope-leaky:6,4"])
+def test_partial_rotary_gpt_neox_equals_the_rule(tmp_path, spec):
+    """GPT-NeoX rotates only its first rotary_pct of each head: the re-rotation leaves the rest alone."""
+    m = _open(save_tiny("gpt_neox", tmp_path / "neox"), rope=spec)
+    assert m.hf.config.rope_parameters["partial_rotary_factor"] == 0.5
+    _check_layers(m, spec)
+
+
+def _check_layers(m, spec):
     rule, logn = SPECS[spec]
-    m = _open(llama, rope=spec)
     assert m.loaded.attn_implementation == ATTN
     L = 110
     io = _layer_io(m, _ids(m, L))
