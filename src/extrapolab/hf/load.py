@@ -131,7 +131,7 @@ class RopeSpec:
     text: str
     rewrite: tuple[str, float] | None = None  # (kind, factor)
     method: str | None = None  # selfextend | rerope | rerope-leaky
-    params: dict = field(default_factory=dict)  # G, w, k as given (w None: the default)
+    params: dict = field(default_factory=dict)  # G, w, k as given (an absent w or k: the default)
     logn: int | None = None  # None off, 0 = the model's L_tr, else the L_tr to use
 
     @property
