@@ -106,7 +106,8 @@ def test_block_mask_is_cached_per_shape_and_window():
 
 
 def test_flex_selection_rules():
-    """attend() picks FlexAttention on CUDA for bias schemes of a full forward, never on CPU."""
+    """attend() picks FlexAttention on CUDA for bias schemes of a full forward, never on CPU; two-pass
+    schemes take their own path on both."""
     kw = dict(same_pos=True, starts=(0, 0), dense_bias=False, grad=True)
     for name in positional.names():
         s = positional.build(name, num_heads=4)
@@ -114,7 +115,7 @@ def test_flex_selection_rules():
             path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, **kw)
             biased = s.has_bias or s.has_weight
             want = ("flex" if dev == "cuda" and flex.supported("cuda", 64, torch.float32) else "toeplitz") \
-                if biased else "causal"
+                if biased else "twopass" if s.second_pass() is not None else "causal"  # Self-Extend / ReRoPE
             assert path == want, (name, dev, path)
     alibi = positional.build("alibi", num_heads=4)
     cases = [

@@ -10,7 +10,7 @@ from extrapolab.align.rope_study import load_rope_preset, method_setup, run_rope
 from extrapolab.cli.main import app
 from extrapolab.io import UserError
 
-METHODS = "[rope,pi,dynamic,yarn,pmax,length]"
+METHODS = "[rope,pi,dynamic,yarn,pmax,length,selfextend,rerope]"
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def _rows(path):
 def test_report_tables_and_figures(smoke):
     _, _, res = smoke
     out, methods = res["out"], res["results"]["methods"]
-    assert list(methods) == ["rope", "pi", "dynamic", "yarn", "pmax", "length"]
+    assert list(methods) == ["rope", "pi", "dynamic", "yarn", "pmax", "length", "selfextend", "rerope"]
     for name in ("summary.md", "ppl.md", "ppl.csv", "passkey.csv", "erf.csv", "temperature.csv", "report.md",
                  "results.json", "run/temperature.json"):
         assert (out / name).is_file(), name
@@ -38,8 +38,9 @@ def test_report_tables_and_figures(smoke):
     for needle in ("RoPE (plain)", "YaRN", "dynamic NTK", "Alg. 1 P_max", "1/f", "rope-smoke", "Wall time"):
         assert needle in html, needle
     ppl = {(r["method"], int(r["length"])): float(r["ppl"]) for r in _rows(out / "ppl.csv")}
-    # at L_tr every method is plain RoPE (s = 1, tau = 1): the same weights give the same perplexity
-    at_tr = {m: ppl[(m, 128)] for m in methods}
+    # at L_tr every method but ReRoPE (w = L_tr/8 caps distances) is plain RoPE (s = 1, tau = 1,
+    # Self-Extend G = 1): the same weights give the same perplexity
+    at_tr = {m: ppl[(m, 128)] for m in methods if m != "rerope"}
     assert max(at_tr.values()) - min(at_tr.values()) < 1e-4 * at_tr["rope"], at_tr
     assert ppl[("pi", 256)] != ppl[("rope", 256)] and ppl[("yarn", 256)] != ppl[("pi", 256)]
     assert all(math.isfinite(v) and v > 1 for v in ppl.values())
@@ -48,6 +49,11 @@ def test_report_tables_and_figures(smoke):
     cell = methods["yarn"]["256"]
     assert cell["options"]["factor"] == 2.0 and cell["options"]["original_length"] == 128
     assert len(cell["passkey"]) == 2  # n=1 x 2 depths
+    se = methods["selfextend"]
+    assert se["128"]["options"]["G"] == 1 and se["256"]["options"] == {
+        "w": 32, "G": 3, "original_length": 128, "logn": False, "base": 10000.0}
+    assert se["256"]["max_length"] == (128 - 32) * 3 + 32 >= 256
+    assert ppl[("rerope", 256)] != ppl[("rope", 256)] and "Self-Extend" in html
 
 
 def test_temperature_table_puts_yarn_next_to_the_thesis_rules(smoke):
@@ -80,6 +86,11 @@ def test_method_setup_and_bad_presets():
     assert (s.name, tau) == ("rotary", 0.8)
     assert method_setup("entropy", 128, 512, 4, taus)[1] is None  # no tau: the cell is skipped
     assert method_setup("dynamic", 128, 512, 4, taus)[0].options()["original_length"] == 128
+    s, tau = method_setup("rerope-leaky", 128, 512, 4, taus)
+    assert (s.name, s.rule.window, s.rule.k, s.logn, tau) == ("rotary-rerope-leaky", 16, 16.0, True, 1.0)
+    s = method_setup("logn", 128, 512, 4, taus)[0]
+    assert (s.name, s.logn, s.original_length) == ("rotary", True, 128)
+    assert method_setup("selfextend", 128, 2048, 4, taus)[0].max_length() >= 2048
     with pytest.raises(UserError, match="model.scheme=rotary"):
         load_rope_preset("rope-smoke", ["model.scheme=alibi"])
     with pytest.raises(UserError, match="unknown rope.methods"):

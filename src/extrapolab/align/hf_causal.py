@@ -1,10 +1,13 @@
 """Thesis ch. 5 on a local Hugging Face causal LM (``hf:PATH``): Algorithm 1 and retrieval.
 
 :func:`align_hf` runs :func:`.algorithm.align` (Algorithm 1, the length rule, Props. 5.1/5.2)
-on :class:`extrapolab.hf.HFTarget`, whose per-layer temperature goes through each family's own
-attention module (hf/temperature.py). The statistics need the attention probabilities, so the
-model is loaded with ``attn_implementation="eager"``: [B, H, L, L] per layer, O(L²) memory and
-time at the alignment lengths (the evaluation itself loads sdpa). Data: the test split of the
+with per-layer temperatures through each family's own attention (hf/temperature.py). Families
+whose attention goes through transformers' attention interface (GPT-2, GPT-NeoX, Llama, Mistral,
+Qwen2, ...) are loaded with ``attn_implementation="extrapolab"`` and aligned by
+:class:`extrapolab.hf.HFBlockTarget`: statistics per query block from the model's own q and k, no
+[H, L, L] tensor (hf/extend.py), which also applies any ``--rope`` extension. The others (BLOOM,
+MPT) fall back to ``eager`` and :class:`extrapolab.hf.HFTarget`, which reads the attention
+probabilities: [B, H, L, L] per layer, O(L²) memory at the alignment lengths. Data: the test split of the
 preset's corpus in the model's tokenizer (hf/data.py). Output: OUT/temperature.json (+ .png/.svg),
 which ``extrapolab eval hf:PATH --out OUT --temperature auto`` reads.
 
@@ -40,17 +43,23 @@ def align_hf(spec: str, lengths: Sequence[int] | None = None, modes: Sequence[st
              rope: str | None = None, train_length: int | None = None,
              say: Callable[[str], None] = print) -> dict:
     """Algorithm 1 on ``hf:PATH`` -> OUT/temperature.json and the curves (see module doc)."""
-    from ..hf import HFTarget, default_out, hf_split
+    from ..hf import ATTN, HFBlockTarget, HFTarget, default_out, hf_split
     from ..hf.evaluate import check_hf_lengths, model_block
+    from ..hf.temperature import block_statistics
 
     cfg = C.resolve(preset, overrides)
-    model = _load(spec, attn="eager", device=device, dtype=dtype, rope=rope, train_length=train_length,
+    model = _load(spec, attn=ATTN, device=device, dtype=dtype, rope=rope, train_length=train_length,
                   cache_dir=cfg.data.cache_dir)
+    block = block_statistics(model.loaded.family)
+    if not block:  # BLOOM, MPT: their own attention, probabilities from eager
+        model = _load(spec, attn="eager", device=device, dtype=dtype, rope=rope, train_length=train_length,
+                      cache_dir=cfg.data.cache_dir)
     L_tr = model.loaded.train_length
     lengths = list(lengths or [L for L in cfg.eval.lengths if L > L_tr] or [2 * L_tr, 4 * L_tr])
     check_hf_lengths(model, [*lengths, L_tr])
     tokens = hf_split(cfg.data, model.loaded.tokenizer, split)
-    res = align(HFTarget(model), tokens, L_tr, lengths, modes, n_segments=segments, propagate=propagate,
+    target = HFBlockTarget(model) if block else HFTarget(model)
+    res = align(target, tokens, L_tr, lengths, modes, n_segments=segments, propagate=propagate,
                 seed=seed, progress=say)
     res["run"], res["scheme"], res["split"], res["model"] = f"hf:{model.loaded.name}", model.loaded.positions, \
         split, model_block(model)

@@ -26,7 +26,9 @@ from ..report.plots import plot_ppl_vs_length
 
 LABELS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
           "yarn": "YaRN", "yarn-ramp": "YaRN ramp, no temperature", "pmax": "τ: Alg. 1 P_max",
-          "entropy": "τ: Alg. 1 H", "length": "τ: log_L L_tr"}
+          "entropy": "τ: Alg. 1 H", "length": "τ: log_L L_tr", "selfextend": "Self-Extend (w = L_tr/4)",
+          "rerope": "ReRoPE + log-n (w = L_tr/8)", "rerope-leaky": "leaky ReRoPE + log-n (k = 16)",
+          "logn": "RoPE + log-n"}
 
 
 def _csv(header: list[str], rows: list[list]) -> str:

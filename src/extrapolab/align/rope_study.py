@@ -19,7 +19,11 @@ setting the softmax temperature. Static methods use s = L/L_tr at each L, the fa
 wants length L would set. ``rope`` plain RoPE; ``pi`` position interpolation (Chen et al. 2023);
 ``ntk`` NTK-aware base (bloc97 2023); ``dynamic`` dynamic NTK (s from the current length, the
 same scheme at every L); ``yarn`` YaRN (Peng et al. 2023) and ``yarn-ramp`` its frequencies
-without its temperature; ``pmax``, ``entropy`` Algorithm 1's tau; ``length`` tau = log L_tr / log L.
+without its temperature; ``pmax``, ``entropy`` Algorithm 1's tau; ``length`` tau = log L_tr / log L;
+the two-pass methods (positional/rope_twopass.py, ``default_settings``): ``selfextend`` (Jin et al.
+2024; w = L_tr/4, the smallest G whose (L_tr - w)·G + w covers L, so G = 1 = plain RoPE at L_tr;
+the cell records that maximum length), ``rerope`` and ``rerope-leaky`` (Su 2023; w = L_tr/8, k = 16,
+with log-n scaling as in the ReRoPE patches); ``logn`` plain RoPE with log-n scaling of q.
 Every stage is stored as JSON keyed by the trained model and its settings, so a run resumes.
 """
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..analysis.erf import measure_erf
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
+from ..positional.rope_twopass import default_settings
 from .algorithm import align, save_temperature
 from .experiment import _sayer, _Stages, load_study_preset, rule_taus, sorted_lengths, train_on_mixture
 from .retrieval import make_examples, score
@@ -55,6 +60,10 @@ METHODS = {
     "pmax": ("rotary", False, "pmax"),
     "entropy": ("rotary", False, "entropy"),
     "length": ("rotary", False, "length"),
+    "selfextend": ("rotary-selfextend", False, None),
+    "rerope": ("rotary-rerope", False, None),
+    "rerope-leaky": ("rotary-rerope-leaky", False, None),
+    "logn": ("rotary", False, None),
 }
 
 
@@ -101,6 +110,10 @@ def method_setup(method: str, train_length: int, length: int, heads: int, taus: 
         params["original_length"] = train_length
     if method == "yarn-ramp":
         params["attention_factor"] = 1.0
+    if method in ("selfextend", "rerope", "rerope-leaky"):
+        params.update(default_settings(method, train_length, length), original_length=train_length)
+    if method in ("rerope", "rerope-leaky", "logn"):  # the ReRoPE patches scale q by log-n
+        params.update(logn=True, original_length=train_length)
     tau = 1.0 if rule is None else taus.get(rule, {}).get(length)
     return positional.build(name, heads, **params), tau
 
@@ -125,6 +138,8 @@ def evaluate_method(model, method: str, L_tr: int, lengths: list[int], taus: dic
     for L in lengths:
         scheme, tau = method_setup(method, L_tr, L, model.cfg.heads, taus)
         cell: dict = {"tau": tau, "scheme": scheme.name, "options": scheme.options()}
+        if hasattr(scheme, "max_length"):  # Self-Extend: (L_tr - w)·G + w
+            cell["max_length"] = scheme.max_length()
         if tau is None:
             out[str(L)] = cell
             continue

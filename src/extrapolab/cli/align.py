@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import typer
 from typer.core import TyperGroup
 
-from .common import DeviceOpt, DtypeOpt, friendly
+from .common import ROPE_HELP, DeviceOpt, DtypeOpt, friendly
 
 DEFAULT_VERB = "temperature"
 
@@ -168,7 +168,7 @@ def temperature(
     device: str = DeviceOpt,
     dtype: str = typer.Option("fp32", "--dtype", help=HF_HELP + "fp32 | bf16 | auto"),
     out: Optional[Path] = typer.Option(None, "--out", help=HF_HELP + "output folder (default runs/hf-<name>)"),
-    rope: Optional[str] = typer.Option(None, "--rope", help=HF_HELP + "RoPE override, e.g. yarn:4"),
+    rope: Optional[str] = typer.Option(None, "--rope", help=ROPE_HELP),
     train_length: Optional[int] = typer.Option(None, "--train-length", help=HF_HELP + "L_tr (default: its config)"),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help=HF_HELP + "preset whose data.* to align on"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help=HF_HELP + "config override, e.g. --set data.corpus=pydoc"),
@@ -204,7 +204,7 @@ def retrieval(
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     out: Optional[Path] = typer.Option(None, "--out", help=HF_HELP + "folder with temperature.json (default runs/hf-<name>)"),
-    rope: Optional[str] = typer.Option(None, "--rope", help=HF_HELP + "RoPE override, e.g. yarn:4"),
+    rope: Optional[str] = typer.Option(None, "--rope", help=ROPE_HELP),
     train_length: Optional[int] = typer.Option(None, "--train-length", help=HF_HELP + "L_tr (default: its config)"),
 ):
     """Passkey / key-value line retrieval accuracy vs length and depth, with and without alignment."""

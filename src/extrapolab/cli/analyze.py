@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import DeviceOpt, DtypeOpt, friendly
+from .common import ROPE_HELP, DeviceOpt, DtypeOpt, friendly
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="analysis tools: erf, trf, bias, nope-variance, sharpness, all")
@@ -57,6 +57,7 @@ def erf(
     out: Path = typer.Option(Path("reports/analysis"), "--out", help="figure folder"),
     as_json: bool = typer.Option(False, "--json"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="hf: only: data.* override, e.g. --set data.corpus=pydoc"),
+    rope: Optional[str] = typer.Option(None, "--rope", help=ROPE_HELP),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
 ):
@@ -74,7 +75,7 @@ def erf(
             from ..hf.erf import erf_of_hf
 
             rec, curves_c, L_tr = erf_of_hf(run, length=length, segments=segments, threshold=threshold,
-                                            overrides=set_, device=device, dtype=dtype)
+                                            overrides=set_, device=device, dtype=dtype, rope=rope)
             curves[rec["name"]] = curves_c
             records.append(rec)
             lines.append(f"{rec['name']}: ERF {rec['erf_tokens']} tokens (position {rec['erf_position']} of "

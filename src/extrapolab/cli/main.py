@@ -16,7 +16,7 @@ import typer
 from . import align as align_cli
 from . import analyze as analyze_cli
 from . import regular as regular_cli
-from .common import DeviceOpt, DtypeOpt, friendly
+from .common import ROPE_HELP, DeviceOpt, DtypeOpt, friendly
 
 app = typer.Typer(
     add_completion=False,
@@ -96,7 +96,7 @@ def eval_(
     which: str = typer.Option("best", "--checkpoint", help="best|last"),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="hf: only: preset whose data.*/eval.* to use"),
     out: Optional[Path] = typer.Option(None, "--out", help="hf: only: output folder (default runs/hf-<name>)"),
-    rope: Optional[str] = typer.Option(None, "--rope", help="hf: only: RoPE override linear|dynamic|yarn|ntk|llama3:FACTOR"),
+    rope: Optional[str] = typer.Option(None, "--rope", help=ROPE_HELP),
     train_length: Optional[int] = typer.Option(None, "--train-length", help="hf: only: L_tr (default: from its config)"),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,

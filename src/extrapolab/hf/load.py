@@ -21,6 +21,14 @@ NTK (s recomputed from the input length at run time), ``yarn`` = YaRN (Peng et a
 ramp over frequency bands, attention factor 0.1 ln s + 1), ``llama3`` (low/high frequency
 factors 1 and 4), and ``ntk`` = static NTK-aware scaling (bloc97 2023: base x s^(d/(d-2))),
 which HF has no rope type for, so it is applied as a new ``rope_theta`` of HF's default RoPE.
+
+The extensions HF has no rope type for run in transformers' attention-function registry
+(:mod:`.extend`): ``selfextend:G,w`` (Self-Extend, Jin et al. 2024; w defaults to L_tr/4),
+``rerope:w`` and ``rerope-leaky:w,k`` (ReRoPE, Su 2023; w defaults to L_tr/8, k to 16) and
+``logn`` (q x max(1, log(m+1)/log L_tr); ``logn:L`` names L_tr). Parts combine with ``+``: at most
+one rewrite, one two-pass method and ``logn``, e.g. ``--rope rerope:512+logn`` (the ReRoPE patch)
+or ``--rope yarn:2+logn``; a two-pass method with ``dynamic`` is refused (its frequencies change
+with the length). Such a model is loaded with ``attn_implementation="extrapolab"``.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..io import UserError
+from . import extend
 
 PREFIX = "hf:"
 #: model_type -> how it encodes positions (families the tests build; see module doc for others)
@@ -40,6 +49,8 @@ POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt"
              "gptj": "rope", "phi3": "rope", "gemma": "rope", "gemma2": "rope", "gemma3_text": "rope",
              "bloom": "alibi", "mpt": "alibi"}
 ROPE_KINDS = ("linear", "dynamic", "yarn", "ntk", "llama3")
+ROPE_SYNTAX = ("KIND:FACTOR (KIND in linear, dynamic, yarn, ntk, llama3), selfextend:G[,w], rerope[:w], "
+               "rerope-leaky[:w[,k]], logn[:L_tr], joined by +")
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
 
@@ -62,7 +73,7 @@ class HFModel:
 
 def default_out(loaded: "HFModel") -> Path:
     """runs/hf-<folder name>[-<rope kind><factor>]: where eval, align and erf of hf:PATH write by default."""
-    tag = "-" + loaded.rope.replace(":", "") if loaded.rope else ""
+    tag = "-" + loaded.rope.replace(":", "").replace(",", "_").replace("+", "-") if loaded.rope else ""
     return Path("runs") / f"hf-{loaded.name}{tag}"
 
 
@@ -117,25 +128,80 @@ def position_kind(config, model=None) -> str:
     return kind or "unknown"
 
 
-def parse_rope(spec: str) -> tuple[str, float]:
-    kind, _, s = str(spec).partition(":")
+@dataclass(frozen=True)
+class RopeSpec:
+    """A parsed ``--rope``: a rope_parameters rewrite, a two-pass method, log-n (each optional)."""
+
+    text: str
+    rewrite: tuple[str, float] | None = None  # (kind, factor)
+    method: str | None = None  # selfextend | rerope | rerope-leaky
+    params: dict = field(default_factory=dict)  # G, w, k as given (an absent w or k: the default)
+    logn: int | None = None  # None off, 0 = the model's L_tr, else the L_tr to use
+
+    @property
+    def extends(self) -> bool:
+        """Whether the model needs the extrapolab attention function."""
+        return self.method is not None or self.logn is not None
+
+
+def _numbers(kind: str, args: str, n: int, text: str) -> list[float]:
+    vals = [a for a in args.split(",") if a] if args else []
     try:
-        factor = float(s)
+        nums = [float(a) for a in vals]
     except ValueError:
-        factor = float("nan")
-    if kind not in ROPE_KINDS or not (factor >= 1.0 and math.isfinite(factor)):
-        raise UserError(f"--rope takes KIND:FACTOR with KIND in {', '.join(ROPE_KINDS)} and FACTOR >= 1, "
-                        f"e.g. --rope yarn:4; got {spec!r}")
-    return kind, factor
+        nums = []
+    if len(vals) > n or len(nums) != len(vals) or not all(math.isfinite(x) for x in nums):
+        raise UserError(f"--rope {kind} takes at most {n} number(s) ({ROPE_SYNTAX}); got {text!r}")
+    return nums
 
 
-def apply_rope(config, spec: str) -> dict:
-    """Rewrite ``config.rope_parameters`` for ``spec`` (see module doc); returns the new parameters."""
-    kind, s = parse_rope(spec)
+def parse_rope(spec: str) -> RopeSpec:
+    """``--rope`` text -> :class:`RopeSpec`, or a one-line UserError with the syntax."""
+    text = str(spec).strip()
+    out: dict = {"rewrite": None, "method": None, "params": {}, "logn": None}
+    for part in text.split("+"):
+        kind, _, args = part.strip().partition(":")
+        if kind in ROPE_KINDS:
+            factor = (_numbers(kind, args, 1, text) or [float("nan")])[0]
+            if out["rewrite"] or not factor >= 1.0:
+                raise UserError(f"--rope takes one KIND:FACTOR with FACTOR >= 1, e.g. --rope yarn:4; got {text!r}")
+            out["rewrite"] = (kind, factor)
+        elif kind in extend.TWOPASS:
+            if out["method"]:
+                raise UserError(f"--rope takes one two-pass method; got {text!r}")
+            nums = _numbers(kind, args, 2 if kind != "rerope" else 1, text)
+            names = ("G", "w") if kind == "selfextend" else ("w", "k")
+            if kind == "selfextend" and not nums:
+                raise UserError(f"--rope selfextend needs the group size: selfextend:G[,w], e.g. selfextend:4,1024; "
+                                f"got {text!r}")
+            params = dict(zip(names, nums))
+            if any(float(params[p]) != int(params[p]) for p in ("G", "w") if p in params):
+                raise UserError(f"--rope {kind}: G and w are whole numbers of tokens; got {text!r}")
+            out["method"], out["params"] = kind, params
+        elif kind == "logn" and out["logn"] is None:
+            L = _numbers(kind, args, 1, text)
+            if L and not (L[0] >= 2 and L[0] == int(L[0])):
+                raise UserError(f"--rope logn:L takes the training length L >= 2; got {text!r}")
+            out["logn"] = int(L[0]) if L else 0
+        else:
+            raise UserError(f"--rope takes {ROPE_SYNTAX}; got {text!r}")
+    if out["method"] and out["rewrite"] and out["rewrite"][0] == "dynamic":
+        raise UserError("--rope dynamic changes the frequencies with the length; a two-pass method needs fixed "
+                        f"ones: drop one of them (got {text!r})")
+    return RopeSpec(text, **out)
+
+
+def apply_rope(config, spec: str | RopeSpec) -> dict | None:
+    """Rewrite ``config.rope_parameters`` for the spec's rewrite part (see module doc); returns the
+    new parameters (None when the spec has no rewrite, only checks that the model uses RoPE)."""
+    spec = spec if isinstance(spec, RopeSpec) else parse_rope(spec)
     rp = getattr(config, "rope_parameters", None)
     if position_kind(config) != "rope" or not isinstance(rp, dict) or "rope_theta" not in rp:
         raise UserError(f"--rope applies to RoPE models, but this {config.model_type} model has no flat "
                         "rope_parameters; drop --rope")
+    if spec.rewrite is None:
+        return None
+    kind, s = spec.rewrite
     keep = {k: rp[k] for k in ("rope_theta", "partial_rotary_factor") if k in rp}
     orig = config_train_length(config)
     if kind == "ntk":
@@ -153,7 +219,7 @@ def apply_rope(config, spec: str) -> dict:
         if hasattr(config, "validate_rope"):
             config.validate_rope()
     except (ValueError, KeyError) as e:
-        raise UserError(f"transformers rejects --rope {spec}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"transformers rejects --rope {spec.text}: {str(e).splitlines()[0]}") from None
     return new
 
 
@@ -191,9 +257,11 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
     """Model (eval mode, on ``device``) + tokenizer from the local folder or GGUF file of ``spec``.
 
     ``attn``: HF ``attn_implementation``; ``sdpa`` (never an L x L tensor for the RoPE / GPT-2
-    families) falls back to ``eager`` where the family has only that (BLOOM, MPT); alignment
-    statistics need ``eager`` (attention probabilities). ``cache_dir``: where a GGUF file's
-    converted folder lives (default ``data.cache_dir``'s default, ``.extrapolab-cache``).
+    families) falls back to ``eager`` where the family has only that (BLOOM, MPT);
+    ``"extrapolab"`` (hf/extend.py, forced by a ``--rope`` extension) runs our attention, which
+    feeds alignment statistics block-wise; ``eager`` returns attention probabilities.
+    ``cache_dir``: where a GGUF file's converted folder lives (default ``data.cache_dir``'s
+    default, ``.extrapolab-cache``).
     """
     tr = _transformers()
     source = hf_path(spec)
@@ -216,7 +284,10 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot read {path}/config.json ({str(e).splitlines()[0]}); pass a folder written by "
                         "save_pretrained") from None
-    rope_params = apply_rope(config, rope) if rope else None
+    spec = parse_rope(rope) if rope else None
+    rope_params = apply_rope(config, spec) if spec else None
+    if (spec is not None and spec.extends) or attn == extend.ATTN:
+        attn = extend.register()  # Self-Extend / ReRoPE / log-n / block statistics: our attention function
     kw = dict(config=config, local_files_only=True, dtype=torch_dtype)
     with _quiet(tr):
         model, attn = _from_pretrained(tr, path, attn, kw)
@@ -228,8 +299,15 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
     model = model.to(device).eval()
     kind = position_kind(config, model)
     L_tr = int(train_length) if train_length else config_train_length(config)
+    extension = None
+    if spec is not None and spec.extends:
+        if not L_tr:
+            raise UserError(f"--rope {spec.text} needs the training length; pass --train-length")
+        params = {"w": max(1, L_tr // (4 if spec.method == "selfextend" else 8)), "k": 16.0, **spec.params}
+        logn = None if spec.logn is None else (spec.logn or L_tr)
+        extension = extend.install(model, spec.method, params, logn, L_tr)
     max_len = config_train_length(config) if kind == "learned" else None
-    info = {"rope_parameters": rope_params, "dtype": str(torch_dtype).replace("torch.", ""),
+    info = {"rope_parameters": rope_params, "rope_extension": extension, "dtype": str(torch_dtype).replace("torch.", ""),
             "device": str(device), "parameters": sum(p.numel() for p in model.parameters())}
     if gguf is not None:
         info["gguf"] = gguf

@@ -16,23 +16,32 @@ multiplies q·k, and tau divides it for the duration of a ``with`` block (restor
   tensor is not changed, so every layer gets its own tau).
 
 The causal mask (dtype-min or -inf) is left alone: masked keys get probability 0 either way.
+Models loaded with ``attn_implementation="extrapolab"`` (hf/extend.py) take the same ``scaling``
+route: the registered attention function puts it into q.
 Falcon (ALiBi folded into the sdpa mask and the eager logit in two different ways) and other
 families are refused with one line rather than guessed.
 
 :class:`HFTarget` is the alignment target of Algorithm 1 (see ``align.temperature.as_target``;
 the hook and scope mechanics are :mod:`.hooks`, shared with T5): statistics come from each
 layer's attention probabilities p, returned by eager attention (``attn_implementation="eager"``,
-which materialises [B, H, L, L] per layer: O(L²) memory, fine at alignment lengths).
+which materialises [B, H, L, L] per layer: O(L²) memory, fine at short alignment lengths).
+:class:`HFBlockTarget` computes the same statistics without probabilities, for models loaded with
+``attn_implementation="extrapolab"`` (every family whose attention goes through transformers'
+attention interface: GPT-2, GPT-NeoX, Llama, Mistral, Qwen2, ...): the registered function hands
+each layer's tau = 1 logits, from the model's own q and k, to the statistics sink one query block
+at a time (``AttnOptions.logits_sink``, as for our GPT), so memory is O(H·block·L) per layer.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Sequence
 
 import torch
 
 from ..io import UserError
-from ..model.attention import layer_temperatures
+from ..model.attention import AttnOptions, layer_temperatures
+from .extend import ATTN, OPTS_KWARG
 from .hooks import ProbsTarget, divide_kwarg, hook_handles
 
 #: model_type -> how tau enters its attention (see module doc)
@@ -106,3 +115,49 @@ class HFTarget(ProbsTarget):
     @torch.no_grad()
     def forward(self, ids: torch.Tensor):
         return self.model(ids)
+
+
+def block_statistics(model_type: str) -> bool:
+    """Whether the family's attention goes through transformers' attention interface (its module's
+    ``scaling`` reaches the attention function), so :class:`HFBlockTarget` can align it."""
+    return KINDS.get(model_type) == "scaling"
+
+
+class HFBlockTarget:
+    """Algorithm 1 target over an HF causal LM loaded with ``attn_implementation="extrapolab"``:
+    per-layer tau and the statistics sink travel as ``AttnOptions`` in the forward keyword
+    ``extrapolab_opts`` to the registered attention function (hf/extend.py), which feeds the sink
+    ``block_size`` query rows at a time; only the last position's logits are computed."""
+
+    def __init__(self, model, block_size: int = 256) -> None:
+        hf = _hf(model)
+        impl = getattr(hf.config, "_attn_implementation", None)
+        if not block_statistics(hf.config.model_type):
+            raise UserError(f"{hf.config.model_type} attention does not go through transformers' attention "
+                            "interface; align it with HFTarget on attn='eager'")
+        if impl != ATTN:
+            raise UserError(f"block-wise alignment statistics need attn_implementation={ATTN!r} (got {impl!r}); "
+                            f"load the model with load_hf(..., attn={ATTN!r})")
+        self.model, self.hf, self.block_size = model, hf, int(block_size)
+        self.num_layers = int(hf.config.num_hidden_layers)
+        self._opts: AttnOptions | None = None
+        params = inspect.signature(hf.forward).parameters
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    @contextmanager
+    def scope(self, tau: float | Sequence[float] = 1.0, sink=None):
+        """Within the block every layer runs at its tau; with a ``sink``, each layer's tau = 1 logits
+        reach ``sink.add(layer, logits, grid=keys)`` per query block."""
+        taus = layer_temperatures(tau, self.num_layers)
+        kw: dict = {"temperature": tuple(taus)}
+        if sink is not None:
+            kw.update(logits_sink=lambda layer, lg, keys: sink.add(layer, lg, grid=keys), block_size=self.block_size)
+        prev, self._opts = self._opts, AttnOptions(**kw)
+        try:
+            yield self
+        finally:
+            self._opts = prev
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor):
+        return self.hf(input_ids=ids, use_cache=False, **self._last_only, **{OPTS_KWARG: self._opts or AttnOptions()})

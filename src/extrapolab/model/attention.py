@@ -12,7 +12,9 @@ equal to the reference. The paths, chosen by :func:`select_path`:
                  fused SDPA (CPU), HankelSDPA for learnable tables, tiled softmax for wht kernels;
 * ``flex``       :mod:`.flex`, relative biases on CUDA: FlexAttention ``score_mod`` + block masks;
 * ``fallback``   :mod:`.reference` with each query block's dense mask in fused SDPA, for biases
-                 that are not a function of m - n and positions that are not contiguous.
+                 that are not a function of m - n and positions that are not contiguous;
+* ``twopass``    :mod:`.twopass`, Self-Extend / ReRoPE (``scheme.second_pass()``): near and far
+                 passes fused, merged by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from . import flex
 from .reference import LogitsSink, dense_attention
 from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
 from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
+from .twopass import twopass_attention
 
 IMPLS = ("auto", "sdpa", "plain", "blocked", "flex")
 
@@ -118,6 +121,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     block = int(opts.block_size) if blocked or too_big else None
     if opts.need_probs or opts.logits_sink is not None or impl == "plain":
         return "reference", (None if opts.need_probs else int(opts.block_size) if opts.logits_sink else block)
+    if scheme.second_pass() is not None:  # Self-Extend / ReRoPE: near + far pass, merged by log-sum-exp
+        return "twopass", min(int(opts.block_size), TOEPLITZ_BLOCK)
     bias_free = not scheme.has_bias and not scheme.has_weight
     if bias_free and opts.window is None and same_pos and not blocked:
         return "causal", None
@@ -164,6 +169,9 @@ def attend(
                               starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype)
     if path == "causal":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale / tau), None
+    if path == "twopass":
+        return twopass_attention(q, k, v, q_pos, k_pos, scheme, layer, starts, scale=scale / tau, tau=tau,
+                                 window=opts.window, block=block), None
     if path in ("toeplitz", "flex"):
         db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":

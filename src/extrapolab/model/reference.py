@@ -2,7 +2,8 @@
 
 Every path of :func:`.attention.attend` computes, for rotated q, k (rotary: Su et al. 2021, eq. 34):
 
-    l = (q · k) / sqrt(d_head)                 scale
+    l = (q · k) / sqrt(d_head)                 scale (two-pass schemes, Self-Extend / ReRoPE: q', k'
+                                               moved to far positions where m - n >= w)
     l = l * w(m - n)                           KERPLE "wht" kernels only (Chi 2024 thesis §3.7.3)
     l = l + b(m, n)                            the scheme's bias (ALiBi, T5, KERPLE, Sandwich, ...)
     l = -inf where n > m or m - n >= window    causal mask, evaluation-time "windowed@w"
@@ -56,8 +57,18 @@ def logit_terms(scheme: PositionalScheme, q_pos, k_pos, layer: int, window: int 
 
 def logits(q, k, q_pos, k_pos, scheme: PositionalScheme, layer: int = 0, window: int | None = None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """tau = 1 pre-softmax logits [B, H, Lq, Lk] of rotated q [B,H,Lq,D], k [B,H,Lk,D]; -inf masked."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, H, Lq, Lk]
+    """tau = 1 pre-softmax logits [B, H, Lq, Lk] of rotated q [B,H,Lq,D], k [B,H,Lk,D]; -inf masked.
+
+    Two-pass schemes (Self-Extend, ReRoPE: ``scheme.second_pass()``) score keys at distance >= w
+    with q, k moved to the scheme's far positions: one logit matrix, merged by the distance mask."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    two = scheme.second_pass()
+    if two is not None:
+        w, far = two
+        qf, kf = far(q, k, q_pos, k_pos)  # [B, H, Lq|Lk, D] at the far positions
+        near = causal_distance(q_pos, k_pos) < w  # [Lq, Lk]
+        s = torch.where(near, s, torch.matmul(qf, kf.transpose(-1, -2)) * scale)
     weight, add = logit_terms(scheme, q_pos, k_pos, layer, window, bias)
     if weight is not None:
         s = s * weight.to(s.dtype)

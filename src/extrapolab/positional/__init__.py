@@ -14,6 +14,9 @@ from . import rotary_ntk  # noqa: F401  NTK-aware base
 from . import rotary_dynamic  # noqa: F401  dynamic NTK
 from . import rotary_yarn  # noqa: F401  YaRN
 from . import xpos  # noqa: F401  rotary with a per-pair exponential decay (Sun et al. 2023)
+from . import rotary_selfextend  # noqa: F401  Self-Extend (two passes)
+from . import rotary_rerope  # noqa: F401  ReRoPE (two passes)
+from . import rotary_rerope_leaky  # noqa: F401  leaky ReRoPE (two passes)
 from . import t5  # noqa: F401
 from . import alibi  # noqa: F401
 from . import windowed  # noqa: F401

@@ -81,6 +81,13 @@ class PositionalScheme(nn.Module):
     ) -> torch.Tensor | None:
         return None
 
+    def second_pass(self):
+        """None: one attention pass (every scheme but the two-pass RoPE extensions). Two-pass
+        schemes (Self-Extend, ReRoPE; positional/rope_twopass.py) return ``(w, far)``: keys at
+        distance m - n >= w are scored with ``far(q, k, q_pos, k_pos)``, the rotated q, k moved to
+        the scheme's far positions, instead of q, k (model/twopass.py, docs/attention.md)."""
+        return None
+
     # ---- metadata ----------------------------------------------------------------------
     @property
     def has_bias(self) -> bool:

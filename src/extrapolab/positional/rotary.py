@@ -15,10 +15,19 @@ The RoPE context-extension family (:mod:`.rope_pi`, :mod:`.rope_ntk`, :mod:`.rop
 :mod:`.rope_yarn`) subclasses :class:`Rotary` and overrides only ``inv_freq`` (the frequencies
 theta_i, possibly as a function of the current length) and ``attention_factor`` (a factor on
 both q and k, so on the logits squared; YaRN's temperature). Positions are never rewritten:
-position interpolation m -> m/s is the same angle as theta_i -> theta_i/s.
+position interpolation m -> m/s is the same angle as theta_i -> theta_i/s. The two-pass
+extensions (Self-Extend, ReRoPE: :mod:`.rope_twopass`) add a far pass through ``second_pass``.
+
+log-n scaling, an option of every rotary scheme (``logn=True``, L_tr = ``original_length``):
+q at position m is multiplied by max(1, log(m + 1) / log L_tr) after its rotation (Su 2021,
+"Entropy-invariant scaling", kexue.fm/archives/8823, as applied in the ReRoPE patches and
+Self-Extend's ``scale_base``; Llama 4 tunes the attention temperature with log position the same
+way). With no bias this is a per-query softmax temperature tau_m = 1 / that factor
+(docs/attention.md); :func:`logn_scale` is the one formula, shared with Hugging Face models.
 """
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -33,6 +42,12 @@ def default_inv_freq(base: float, d_head: int) -> torch.Tensor:
     return base ** (-i / d_head)  # [d_head/2]
 
 
+def logn_scale(positions: torch.Tensor, train_length: int) -> torch.Tensor:
+    """max(1, log(m + 1) / log L_tr) per position m, float64 [L]: the log-n factor on q."""
+    m = positions.to(torch.float64)
+    return (torch.log1p(m) / math.log(int(train_length))).clamp(min=1.0)
+
+
 @register
 class Rotary(PositionalScheme):
     name = "rotary"
@@ -42,11 +57,16 @@ class Rotary(PositionalScheme):
     #: theta_i depends on the current sequence length (dynamic NTK): the cache is keyed on it too
     length_dependent: ClassVar[bool] = False
 
-    def __init__(self, num_heads: int, base: float = 10000.0) -> None:
+    def __init__(self, num_heads: int, base: float = 10000.0, logn: bool = False,
+                 original_length: int = 512) -> None:
         super().__init__(num_heads)
         if not base > 1:
             raise SchemeError(f"rotary base must be > 1, got {base}")
         self.base = float(base)
+        self.logn = bool(logn)
+        self.original_length = check_original_length(self.name, original_length)
+        if self.logn:
+            self.relative = False  # the factor depends on the query's absolute position
         self._cs: dict = {}
         self._rows: tuple | None = None  # (positions, key, cos, sin) of the last gather
 
@@ -120,10 +140,17 @@ class Rotary(PositionalScheme):
 
     def rotate(self, q, k, q_pos, k_pos):
         length = self._length(q_pos, k_pos)
-        return self._rot(q, q_pos, length), self._rot(k, k_pos, length)
+        q = self._rot(q, q_pos, length)
+        if self.logn:  # a per-query temperature: scaling q scales that query's logits
+            q = q * logn_scale(q_pos, self.original_length).to(q.dtype)[:, None]  # [Lq, 1]
+        return q, self._rot(k, k_pos, length)
+
+    def logn_options(self) -> dict:
+        """The log-n option as ``options()`` reports it (nothing when off: older runs read the same)."""
+        return {"logn": True, "original_length": self.original_length} if self.logn else {}
 
     def options(self):
-        return {"base": self.base}
+        return {"base": self.base, **self.logn_options()}
 
     def _apply(self, fn, *a, **kw):
         self._cs.clear()

@@ -9,7 +9,7 @@ type, s = a·L/L_tr - (a - 1) for L > L_tr (emozilla's original code); a = 1 giv
 KV cache: each call rotates its new keys with the s of its own length, and cached keys keep the
 s they were rotated with (Hugging Face's cache behaves the same), so token-by-token decoding past
 L_tr differs from one parallel forward over the same tokens, which uses one s for every position.
-Options: ``original_length`` L_tr (filled from model.train_length), ``factor`` a, ``base``.
+Options: ``original_length`` L_tr (filled from model.train_length), ``factor`` a, ``base``, ``logn``.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ class RotaryDynamicNTK(Rotary):
     relative = False
 
     def __init__(self, num_heads: int, original_length: int = 512, factor: float = 1.0,
-                 base: float = 10000.0) -> None:
-        super().__init__(num_heads, base=base)
+                 base: float = 10000.0, logn: bool = False) -> None:
+        super().__init__(num_heads, base=base, logn=logn, original_length=original_length)
         self.original_length = check_original_length(self.name, original_length)
         self.factor = check_factor(self.name, factor)
 
@@ -45,4 +45,5 @@ class RotaryDynamicNTK(Rotary):
         return default_inv_freq(ntk_base(self.base, self.scale(length), d_head), d_head)
 
     def options(self):
-        return {"original_length": self.original_length, "factor": self.factor, "base": self.base}
+        return {"original_length": self.original_length, "factor": self.factor, "base": self.base,
+                **self.logn_options()}

@@ -4,7 +4,7 @@
 The base is raised so the lowest frequency is interpolated by exactly s while the highest
 (theta_0 = 1) is untouched: theta_i' = (b·s^(d/(d-2)))^(-2i/d), i.e. theta_{d/2-1}' = theta_{d/2-1}/s.
 High frequencies extrapolate, low ones interpolate, with no ramp in between. Options: ``factor``
-s >= 1 and ``base`` b (the trained base).
+s >= 1 and ``base`` b (the trained base), and the family's ``logn`` (rotary.py).
 """
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ class RotaryNTK(Rotary):
     paper = "bloc97 2023; Peng et al. 2023 (YaRN) §3.1, b' = b·s^(|D|/(|D|-2))"
     summary = "RoPE with the NTK-aware base b·s^(d/(d-2)) (s = L_ex/L_tr, option factor)"
 
-    def __init__(self, num_heads: int, factor: float = 4.0, base: float = 10000.0) -> None:
-        super().__init__(num_heads, base=base)
+    def __init__(self, num_heads: int, factor: float = 4.0, base: float = 10000.0, logn: bool = False,
+                 original_length: int = 512) -> None:
+        super().__init__(num_heads, base=base, logn=logn, original_length=original_length)
         self.factor = check_factor(self.name, factor)
 
     def inv_freq(self, d_head, length):
         return default_inv_freq(ntk_base(self.base, self.factor, d_head), d_head)
 
     def options(self):
-        return {"factor": self.factor, "base": self.base}
+        return {"factor": self.factor, "base": self.base, **self.logn_options()}

@@ -15,7 +15,7 @@ the authors and Hugging Face do: q and k are both multiplied by f = 0.1·ln(s) +
 rotation, so the logits are multiplied by f^2 = 1/t and attention itself is untouched. As a
 softmax temperature (thesis ch. 5) this is tau = 1/f^2. Options: ``factor`` s, ``original_length``
 L_tr (filled from model.train_length), ``beta_fast``, ``beta_slow``, ``attention_factor`` (f;
-default the rule above, 1.0 switches the temperature off), ``base``.
+default the rule above, 1.0 switches the temperature off), ``base``, ``logn`` (rotary.py).
 """
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ class RotaryYaRN(Rotary):
     summary = "RoPE with YaRN's per-frequency ramp (beta 32/1) and q,k scaled by 0.1 ln s + 1"
 
     def __init__(self, num_heads: int, factor: float = 4.0, original_length: int = 512, beta_fast: float = 32.0,
-                 beta_slow: float = 1.0, attention_factor: float | None = None, base: float = 10000.0) -> None:
-        super().__init__(num_heads, base=base)
+                 beta_slow: float = 1.0, attention_factor: float | None = None, base: float = 10000.0,
+                 logn: bool = False) -> None:
+        super().__init__(num_heads, base=base, logn=logn, original_length=original_length)
         self.factor = check_factor(self.name, factor)
         self.original_length = check_original_length(self.name, original_length)
         if not float(beta_fast) > float(beta_slow) > 0:
@@ -77,4 +78,5 @@ class RotaryYaRN(Rotary):
 
     def options(self):
         return {"factor": self.factor, "original_length": self.original_length, "beta_fast": self.beta_fast,
-                "beta_slow": self.beta_slow, "attention_factor": self.attn_factor, "base": self.base}
+                "beta_slow": self.beta_slow, "attention_factor": self.attn_factor, "base": self.base,
+                **self.logn_options()}

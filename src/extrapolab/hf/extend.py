@@ -1,0 +1,179 @@
+"""Training-free context extension inside Hugging Face RoPE models, through transformers' own
+attention-function registry (``AttentionInterface.register``), never a copied or patched class.
+
+``--rope selfextend:G,w | rerope:w | rerope-leaky:w,k | logn`` (hf/load.py) loads the model with
+``attn_implementation="extrapolab"``: every attention layer then calls :func:`extend_attention`
+with the q, k Hugging Face has already rotated (pairs (i, i + d/2), its ``rotate_half`` layout,
+with the rope type's attention factor inside cos/sin), v, the module's ``scaling`` and its
+``position_ids``. The function repeats the key/value heads (GQA), puts ``scaling`` into q (so
+attention's 1/sqrt(d) gives the model's own scale, including a temperature ``hf_temperature`` set)
+and runs our :func:`extrapolab.model.attention.attend` with :class:`HFRope`, whose hooks are:
+
+* ``rotate``: nothing to rotate (Hugging Face did), only the log-n factor on q
+  (``positional.rotary.logn_scale``: max(1, log(m + 1)/log L_tr), the ReRoPE and Self-Extend patches);
+* ``second_pass``: Self-Extend (Jin et al. 2024, arXiv 2401.01325, Algorithm 1) or ReRoPE / leaky
+  ReRoPE (Su 2023, github.com/bojone/rerope): re-rotating the rotated q, k by the angle
+  (far(m) - m)·theta_i puts them at the far positions exactly (positional/rope_twopass.py), with the
+  model's own inverse frequencies read from its rotary embedding at load time.
+
+So the near/far passes run in the same fused two-pass kernel as our GPT (model/twopass.py, merged
+by log-sum-exp, no L x L tensor), and with an ``AttnOptions`` passed as the forward keyword
+``extrapolab_opts`` the same call takes a per-layer temperature and a logits sink that receives
+every layer's tau = 1 logits one query block at a time (the reference path): Algorithm 1's
+statistics from the model's own q and k without eager [H, L, L] probabilities (hf/temperature.py
+``HFBlockTarget``). The settings live in ``config.extrapolab_rope`` (a plain dict).
+
+Causal language models only: the function is causal by position; a padding mask (a 2-D
+``attention_mask`` with zeros) is refused by the registered mask function, since the keys are
+taken to be the positions that end at the last query (a full or sliding cache).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from functools import lru_cache
+
+import torch
+
+from ..io import UserError
+from ..model.attention import AttnOptions, attend
+from ..positional.base import PositionalScheme, SchemeError
+from ..positional.rope_twopass import FarRule, check_rule, far_rotate, selfextend_max_length
+from ..positional.rotary import logn_scale
+
+ATTN = "extrapolab"  #: the attn_implementation name registered with transformers
+OPTS_KWARG = "extrapolab_opts"  #: forward keyword carrying an AttnOptions (temperature, logits sink)
+TWOPASS = ("selfextend", "rerope", "rerope-leaky")
+
+
+class HFRope(PositionalScheme):
+    """Positional hooks for a Hugging Face RoPE model whose q, k arrive rotated (module doc)."""
+
+    name = "hf-rope"
+    kind = "rotary"
+    paper = "Hugging Face RoPE; Self-Extend (Jin et al. 2024), ReRoPE (Su 2023), log-n scaling"
+    summary = "q, k rotated by the model; log-n factor on q; two-pass far positions by re-rotation"
+
+    def __init__(self, num_heads: int, rule: FarRule | None = None, inv_freq: torch.Tensor | None = None,
+                 logn_length: int | None = None) -> None:
+        super().__init__(num_heads)
+        self.rule, self.inv_freq, self.logn_length = rule, inv_freq, logn_length
+        if logn_length:
+            self.relative = False
+
+    def rotate(self, q, k, q_pos, k_pos):
+        if self.logn_length:
+            q = q * logn_scale(q_pos, self.logn_length).to(q.dtype)[:, None]  # [Lq, 1] per-query factor
+        return q, k
+
+    def second_pass(self):
+        return None if self.rule is None else (self.rule.window, self._far)
+
+    def _far(self, q, k, q_pos, k_pos):
+        return far_rotate(self.rule, self.inv_freq, q, k, q_pos, k_pos, halves=True)
+
+
+@lru_cache(maxsize=32)
+def _scheme(key: str, heads: int) -> HFRope:
+    spec = json.loads(key)
+    rule = None
+    if spec.get("method"):
+        rule = FarRule(spec["method"], int(spec["w"]), int(spec.get("G", 1)), float(spec.get("k", 1.0)))
+    inv = torch.tensor(spec["inv_freq"], dtype=torch.float64) if spec.get("inv_freq") else None
+    return HFRope(heads, rule, inv, spec.get("logn"))
+
+
+def scheme_for(config, heads: int) -> HFRope:
+    """The :class:`HFRope` of ``config.extrapolab_rope`` (plain attention when it has none)."""
+    spec = getattr(config, "extrapolab_rope", None) or {}
+    return _scheme(json.dumps(spec, sort_keys=True), int(heads))
+
+
+def _positions(position_ids, Lq: int, Lk: int, device):
+    """(q_pos [Lq], k_pos [Lk]): the queries' positions, and the Lk keys ending at the last query."""
+    if position_ids is None:
+        q_pos = torch.arange(Lk - Lq, Lk, device=device)
+    else:
+        p = position_ids.reshape(-1, position_ids.shape[-1])  # [B|1, Lq]
+        if p.shape[0] > 1 and not bool((p == p[:1]).all()):
+            raise UserError("the extrapolab attention takes one position row for the whole batch; score "
+                            "sequences without padding or packing")
+        q_pos = p[0].to(device)
+    end = int(q_pos[-1]) + 1 if Lq else Lk
+    return q_pos, torch.arange(end - Lk, end, device=device)
+
+
+def extend_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers attention function: q [B,H,Lq,D], k/v [B,Hkv,Lk,D] -> ([B,Lq,H,D], None)."""
+    B, H, Lq, D = query.shape
+    scheme = scheme_for(getattr(module, "config", None), H)
+    opts = kwargs.get(OPTS_KWARG) or AttnOptions()
+    rep = H // key.shape[1]
+    if rep > 1:  # grouped-query attention: each key/value head serves rep query heads
+        key = key[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)  # [B, H, Lk, D]
+        value = value[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)
+    q_pos, k_pos = _positions(kwargs.get("position_ids"), Lq, key.shape[2], query.device)
+    c = 1.0 if scaling is None else float(scaling) * math.sqrt(D)  # attend scales by 1/sqrt(D)
+    if not math.isclose(c, 1.0, rel_tol=1e-12, abs_tol=0.0):
+        query = query * c
+    window = kwargs.get("sliding_window")
+    if window:  # Hugging Face's sliding window: keys at distance < window, as AttnOptions.window
+        opts = replace(opts, window=int(window))
+    out, _ = attend(query, key, value, q_pos, k_pos, scheme, int(getattr(module, "layer_idx", 0) or 0), opts)
+    return out.transpose(1, 2).contiguous(), None  # [B, Lq, H, D]
+
+
+def causal_only_mask(*args, attention_mask=None, **kwargs):
+    """Mask function registered with ``ATTN``: no mask (attention is causal by position); a padding
+    mask is refused with one line (the keys are taken to be consecutive positions)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise UserError("padded batches are not supported by the extrapolab attention (--rope selfextend / "
+                        "rerope / logn); score sequences of equal length without an attention_mask")
+    return None
+
+
+def register() -> str:
+    """Register ``ATTN`` with transformers' attention and mask registries (idempotent); its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN, extend_attention)
+    AttentionMaskInterface.register(ATTN, causal_only_mask)
+    return ATTN
+
+
+def rotary_inv_freq(model) -> torch.Tensor:
+    """The inverse frequencies [rot_dim/2] of the model's one rotary embedding (a one-line error when
+    it has none or several, e.g. Gemma 3's local and global ones)."""
+    found = {}
+    for name, mod in model.named_modules():
+        inv = getattr(mod, "inv_freq", None)
+        if isinstance(inv, torch.Tensor):
+            found[name] = inv.detach().to(torch.float64).cpu()
+    distinct = {tuple(v.tolist()) for v in found.values()}
+    if len(distinct) != 1:
+        raise UserError(f"two-pass --rope needs exactly one rotary embedding, found {len(distinct)} "
+                        f"({', '.join(found) or 'none'}); use --rope logn or a rope_parameters rewrite")
+    return next(iter(found.values()))
+
+
+def install(model, method: str | None, params: dict, logn: int | None, train_length: int) -> dict:
+    """Write the extension into ``model.config.extrapolab_rope``; returns what the run records
+    (method and its settings, Self-Extend's maximum length, log-n's L_tr)."""
+    spec: dict = {}
+    record: dict = {}
+    if method:
+        try:
+            rule = check_rule(method, params["w"], train_length, int(params.get("G", 1)),
+                              float(params.get("k", 1.0)), label=f"--rope {method}")
+        except SchemeError as e:
+            raise UserError(str(e)) from None
+        spec.update(rule.describe(), inv_freq=rotary_inv_freq(model).tolist())
+        record.update(rule.describe())
+        if method == "selfextend":
+            record["max_length"] = selfextend_max_length(train_length, rule.window, rule.group)
+    if logn:
+        spec["logn"] = record["logn"] = int(logn)
+    model.config.extrapolab_rope = spec
+    return record
