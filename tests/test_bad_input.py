@@ -50,13 +50,13 @@ from extrapolab.cli.main import app
 from extrapolab.data import check_lengths, load, prepare
 from extrapolab.data.corpus import PROSE_HINT
 from extrapolab.eval import evaluate
-from extrapolab.io import UserError, run_lock
+from extrapolab.io import UserError, run_lock, sha256_file
 from extrapolab.model.attention import AttnOptions
 from extrapolab.positional import SchemeError, build
 from extrapolab.report.db import ResultsDB
 from extrapolab.sweep.sweep import _run_job, run_sweep
 from extrapolab.train import load_checkpoint, load_model, train
-from extrapolab.train.checkpoint import MANIFEST, _sha256
+from extrapolab.train.checkpoint import MANIFEST
 
 CLI = [sys.executable, "-m", "extrapolab.cli.main"]
 CLI_HOW = "CLI: exit 2"
@@ -350,7 +350,7 @@ def _garbage_behind_manifest(last: Path) -> None:
     w = last / "model.safetensors"
     w.write_bytes(b"\x00\xff" * 64)
     m = json.loads((last / MANIFEST).read_text())
-    m["files"]["model.safetensors"] = {"bytes": 128, "sha256": _sha256(w)}
+    m["files"]["model.safetensors"] = {"bytes": 128, "sha256": sha256_file(w)}
     (last / MANIFEST).write_text(json.dumps(m))
 
 

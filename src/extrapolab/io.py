@@ -2,6 +2,7 @@
 (``fcntl.flock``, released by the kernel when the holder dies) and one-line user errors."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -40,6 +41,15 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB blocks (checkpoint manifests, GGUF files)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def fsync_path(path: str | Path) -> None:

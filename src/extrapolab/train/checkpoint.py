@@ -14,7 +14,6 @@ files, and a checkpoint whose architecture differs from the config, with a one-l
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ from torch import nn
 
 from .. import config as config_mod
 from ..config import ConfigError, RunConfig
-from ..io import UserError, atomic_write_text, fsync_path
+from ..io import UserError, atomic_write_text, fsync_path, sha256_file
 from ..model.gpt import GPT, ModelConfig
 from ..model.regular_lm import build_model
 
@@ -69,13 +68,6 @@ def unique_weights(state: dict[str, torch.Tensor], alias: dict[str, str]) -> dic
 
 
 # ---- writing -------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def write_folder_atomically(dest: Path, writer: Callable[[Path], None]) -> None:
     """``writer(tmp_folder)`` fills a temp folder; add a manifest, fsync, rename it to ``dest``."""
@@ -87,7 +79,7 @@ def write_folder_atomically(dest: Path, writer: Callable[[Path], None]) -> None:
     try:
         writer(tmp)
         files = sorted(p for p in tmp.iterdir() if p.is_file())
-        manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        manifest = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}
         atomic_write_text(tmp / MANIFEST, json.dumps({"files": manifest}, indent=1) + "\n")
         for p in files:
             fsync_path(p)
@@ -156,7 +148,7 @@ def _verify(path: Path) -> set[str]:
             raise _corrupt(path, f"{name} is missing")
         if f.stat().st_size != info["bytes"]:
             raise _corrupt(path, f"{name} is truncated: {f.stat().st_size} of {info['bytes']} bytes")
-        if _sha256(f) != info["sha256"]:
+        if sha256_file(f) != info["sha256"]:
             raise _corrupt(path, f"{name} fails its sha256 check")
     if WEIGHTS not in manifest or CONFIG not in manifest:
         raise _corrupt(path, f"{WEIGHTS} or {CONFIG} is missing")
