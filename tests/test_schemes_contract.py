@@ -91,7 +91,7 @@ def test_metadata_and_options_roundtrip(name, opts):
     with registered(name):
         cls = REGISTRY[name]
         assert cls.paper.strip() and cls.summary.strip(), "paper and summary must be filled in"
-        assert cls.kind in ("none", "absolute", "rotary", "bias")
+        assert cls.kind in ("none", "absolute", "rotary", "bias", "content", "score", "hybrid")
         s = _scheme(name, opts)
         again = P.build(name, H, **{k: v for k, v in s.options().items()})
         assert again.options() == s.options()

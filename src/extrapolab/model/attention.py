@@ -111,14 +111,14 @@ def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
 
 def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
                 same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32,
-                folded: bool = False, content: bool = False, tau_rows: bool = False):
+                folded: bool = False, tau_rows: bool = False):
     """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
     q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
     first positions (a, c) of contiguous query / key positions, None where not contiguous;
     ``folded``: the scheme's bias has the ALiBi form (``alibi_slopes``) and the positions increase;
-    ``content``: positions from content are given; ``tau_rows``: the scheme's temperature varies
-    over query positions.
+    ``tau_rows``: the scheme's temperature varies over query positions. Schemes with positions from
+    content (``has_content``) never take the causal or Toeplitz paths.
     """
     _, H, Lq, D = q_shape
     impl = opts.impl
@@ -133,6 +133,7 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
                             "use impl='auto'")
         many = opts.logits_sink is not None or bool(scheme.reference_only)
         return "reference", (None if opts.need_probs else int(opts.block_size) if many else block)
+    content = scheme.has_content
     bias_free = not scheme.has_bias and not scheme.has_weight and not content
     if bias_free and opts.window is None and same_pos and not blocked:
         return "causal", None
@@ -205,7 +206,7 @@ def attend(
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     path, block = select_path(q.device.type, scheme, opts, q.shape, Lk, same_pos=same and bias_free,
                               starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype,
-                              folded=folded, content=content is not None, tau_rows=tau_rows)
+                              folded=folded, tau_rows=tau_rows)
     if path == "causal":
         if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
             q = q / tau_s[..., None].to(q.dtype)
@@ -220,7 +221,7 @@ def attend(
         db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
             try:
-                return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=scale, tau=tau,
+                return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
                                                 window=opts.window, tau_h=tau_h), None
             except flex.RecompileLimit as full:  # never the eager dense fallback: the Toeplitz path
                 flex.warn_limit(q, k, scheme.learnable, full.limit)

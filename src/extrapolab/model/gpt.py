@@ -53,6 +53,12 @@ class ModelConfig:
         return asdict(self)
 
 
+def model_fields(cfg: ModelConfig) -> dict:
+    """The model sizes a scheme may take as options (its constructor names them): width ``dim``,
+    depth ``layers``, ``head_dim``, the weights' ``init_std``."""
+    return {"dim": cfg.dim, "layers": cfg.layers, "head_dim": cfg.dim // cfg.heads, "init_std": cfg.init_std}
+
+
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:
     if cfg.arch == "regulargpt":  # its attention is eq. 6.1 itself (C, K from the model config)
         return positional.build("sliding-dilated", num_heads=cfg.heads, C=cfg.C, K=cfg.K)
@@ -61,8 +67,12 @@ def build_scheme(cfg: ModelConfig) -> PositionalScheme:
         params.setdefault("max_length", cfg.train_length)
         params.setdefault("dim", cfg.dim)
         params.setdefault("std", cfg.init_std if cfg.embed_scale else cfg.dim ** -0.5)  # as the tokens
-    if "original_length" in positional.scheme_params(positional.REGISTRY.get(cfg.scheme, PositionalScheme)):
+    accepted = positional.scheme_params(positional.REGISTRY.get(cfg.scheme, PositionalScheme))
+    if "original_length" in accepted:
         params.setdefault("original_length", cfg.train_length)  # RoPE extensions: L_tr is the trained length
+    for key, value in model_fields(cfg).items():  # schemes with per-layer parameters (FoX, CoPE, hybrids)
+        if key in accepted:
+            params.setdefault(key, value)
     if cfg.scheme == "sinusoidal":  # same rms as the token embeddings and a learned APE at init
         params.setdefault("scale", math.sqrt(2) * cfg.init_std if cfg.embed_scale else 1.0)
     return positional.build(cfg.scheme, num_heads=cfg.heads, **params)
