@@ -44,6 +44,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .reference import divide_finite
 from .tables import DistanceBias
 
 BLOCK = 128  # FlexAttention's default sparse block size (queries x keys)
@@ -214,7 +215,7 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
     bias = db.table(layer, n).expand(H, n).contiguous()  # [H, n]; graph kept for learnable tables
     if tau_h is not None:
         q = q / tau_h.view(1, -1, 1, 1).to(q.dtype)  # [B, H, Lq, D]
-        bias = bias / tau_h.view(-1, 1).to(bias.dtype)  # [H, n]
+        bias = divide_finite(bias, tau_h.view(-1, 1).to(bias.dtype))  # [H, n]
     weight = db.table(layer, n, "weight").expand(H, n).contiguous() if scheme.has_weight else None
     key = ("flexmask", q.device, Lq, Lk, a - c, window, db.layer_key(layer))
     if scheme.learnable:  # the finite pattern of this forward's table, built on the device once

@@ -70,6 +70,13 @@ def content_bias(scheme: PositionalScheme, layer: int, content, rows=slice(None)
     return -s * (pq[..., rows, None] - pk[..., None, cols])
 
 
+def divide_finite(x: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """x / tau with -inf entries kept -inf and no gradient through them (a learnable tau would
+    otherwise get inf · 0 = NaN from the masked entries)."""
+    fin = torch.isfinite(x)
+    return (x.masked_fill(~fin, 0.0) / tau).masked_fill(~fin, -math.inf)
+
+
 def scheme_tau(scheme: PositionalScheme, q_pos: torch.Tensor, layer: int) -> torch.Tensor | None:
     """The scheme's temperature as [1, H|1, Lq|1] (float), or None."""
     t = scheme.temperature(q_pos, layer)
@@ -101,7 +108,7 @@ def block_logits(q, k, q_pos, k_pos, scheme: PositionalScheme, layer: int = 0, w
         blk = ScoreBlock(q, k, q_pos, k_pos, s, b, vis, layer)
         lg = scheme.scores(lg, blk).masked_fill(~vis, -math.inf)
     if tau_s is not None:
-        lg = lg / tau_s.to(lg.dtype)
+        lg = divide_finite(lg, tau_s.to(lg.dtype))
     return lg, blk
 
 
@@ -167,8 +174,8 @@ def dense_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int 
             add = logit_terms(scheme, qp, kp, layer, window, bb)[1]  # [H|1, bq, bk]
             if cb is not None:
                 add = add + content_bias(scheme, layer, cb)  # [B|1, H, bq, bk]
-            if ts is not None:
-                add, qb = add / ts, qb / ts.to(qb.dtype)  # tau_m divides q·k and the bias alike
+            if ts is not None:  # tau_m divides q·k and the bias alike
+                add, qb = divide_finite(add, ts.to(add.dtype)), qb / ts.to(qb.dtype)
             mask = (add / tau if tau != 1.0 else add).to(q.dtype)
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1, H|1, bq, bk]: 4-D keeps the fused CPU kernel
             outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0 / math.sqrt(D) / tau))

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .reference import divide_finite
 from .tables import DistanceBias
 
 #: The fused CPU kernel that returns (out, logsumexp), which :class:`HankelSDPA` needs for its
@@ -201,7 +202,7 @@ def toeplitz_attention(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *,
         return F.scaled_dot_product_attention(q, k, v, scale=scale)  # every key visible
     ext, dfin = db.hankel(layer, dmax, Lq + Lk - 1, window, tau, q.dtype)  # [H', Lq+Lk-1]
     if tau_h is not None:
-        ext = ext / tau_h.view(-1, 1).to(ext.dtype)  # [H, Lq+Lk-1]: b / tau_h (-inf stays -inf)
+        ext = divide_finite(ext, tau_h.view(-1, 1).to(ext.dtype))  # [H, Lq+Lk-1]: b / tau_h (-inf stays -inf)
     wext = db.hankel(layer, dmax, Lq + Lk - 1, dtype=q.dtype, kind="weight")[0] if weighted else None
     if weighted:  # manual tiles: autograd when anything needs a gradient
         learn = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, ext, wext))
