@@ -82,7 +82,7 @@ class Hybrid(PositionalScheme):
         sizes = {"dim": int(dim), "layers": self.layers, "head_dim": int(head_dim), "init_std": float(init_std)}
         self._sizes = sizes
         rope_s = self._sub(self.rope_name, self.rope_params, sizes, "rope")
-        self.rope = WindowedScheme(num_heads, rope_s, self.rope_window) if self.rope_window else rope_s
+        self.rope = rope_s if self.rope_window is None else WindowedScheme(num_heads, rope_s, self.rope_window)
         self.nope = self._sub(self.nope_name, self.nope_params, sizes, "nope")
 
     def _sub(self, name: str, params: dict, sizes: dict, role: str) -> PositionalScheme:
