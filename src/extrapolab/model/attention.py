@@ -18,7 +18,7 @@ equal to the reference. The paths, chosen by :func:`select_path`:
                  that are not a function of m - n and positions that are not contiguous.
 
 Schemes with score-level hooks (``reference_only``: CoPE, DAPE, stick-breaking) always take the
-reference path, in query blocks of ``block_size`` rows.
+reference path, in query blocks of min(``block_size``, :data:`SCORE_BLOCK`) rows.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
 from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
 
 IMPLS = ("auto", "sdpa", "plain", "blocked", "flex")
+#: query rows per block for schemes with score-level hooks: a block over keys up to its last query
+#: holds L·rows/2 masked entries, so small blocks skip most of the upper triangle (chosen by hand)
+SCORE_BLOCK = 64
 
 
 def flush_denormals(enable: bool = True) -> bool:
@@ -131,8 +134,9 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
         if impl == "flex" and scheme.reference_only:
             raise UserError(f"scheme {scheme.name!r} runs on the reference path only ({scheme.reference_only}); "
                             "use impl='auto'")
-        many = opts.logits_sink is not None or bool(scheme.reference_only)
-        return "reference", (None if opts.need_probs else int(opts.block_size) if many else block)
+        if scheme.reference_only and not opts.need_probs:  # small blocks skip most masked (future) keys
+            return "reference", min(int(opts.block_size), SCORE_BLOCK)
+        return "reference", (None if opts.need_probs else int(opts.block_size) if opts.logits_sink else block)
     content = scheme.has_content
     bias_free = not scheme.has_bias and not scheme.has_weight and not content
     if bias_free and opts.window is None and same_pos and not blocked:

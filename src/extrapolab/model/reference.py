@@ -94,7 +94,7 @@ def block_logits(q, k, q_pos, k_pos, scheme: PositionalScheme, layer: int = 0, w
                  bias: torch.Tensor | None = None, content=None, tau_s: torch.Tensor | None = None):
     """(logits [B, H, Lq, Lk], ScoreBlock | None) of rotated q [B,H,Lq,D], k [B,H,Lk,D]: every step up
     to the option temperature (module docstring); ``tau_s`` [1, H|1, Lq|1, 1] the scheme's."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, H, Lq, Lk]
+    s = torch.matmul(q * (1.0 / math.sqrt(q.shape[-1])), k.transpose(-1, -2))  # [B, H, Lq, Lk]: scale the small side
     weight, add = logit_terms(scheme, q_pos, k_pos, layer, window, bias)
     if weight is not None:
         s = s * weight.to(s.dtype)
@@ -125,7 +125,8 @@ def logits(q, k, q_pos, k_pos, scheme: PositionalScheme, layer: int = 0, window:
 def weights(lg: torch.Tensor, scheme: PositionalScheme, blk: ScoreBlock | None, tau: float = 1.0) -> torch.Tensor:
     """Attention weights from :func:`logits`: softmax(l / tau) in fp32 (fp64 for fp64), or the
     scheme's ``normalize`` (stick-breaking)."""
-    x = (lg if lg.dtype == torch.float64 else lg.float()) / tau
+    x = lg if lg.dtype == torch.float64 else lg.float()
+    x = x / tau if tau != 1.0 else x
     w = scheme.normalize(x, blk) if blk is not None else None
     return torch.softmax(x, dim=-1) if w is None else w
 

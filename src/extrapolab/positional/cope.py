@@ -52,25 +52,56 @@ class CoPE(PositionalScheme):
         self.npos_max, self.original_length = npos_max, int(original_length)
         self.emb = nn.Parameter(torch.zeros(self.layers, self.head_dim, self.npos))  # [layers, D, npos]
 
-    def positions(self, block: ScoreBlock) -> torch.Tensor:
-        """p [B, H, bq, bk]: p_ij = Σ_{t >= j} g_it over visible keys, clipped at npos - 1 (eq. 4)."""
-        gates = torch.sigmoid(block.qk) * block.visible  # [B, H, bq, bk]; masked keys count 0
-        return gates.flip(-1).cumsum(-1).flip(-1).clamp(max=self.npos - 1)
-
     def scores(self, logits, block):
         if block.q.shape[-1] != self.head_dim:
             raise SchemeError(f"cope was built for head_dim={self.head_dim} but attention has {block.q.shape[-1]}")
         if not 0 <= block.layer < self.layers:
             raise SchemeError(f"cope has embeddings for {self.layers} layers but layer {block.layer} attends; "
                               "build it with layers = the model's depth (GPT passes model.layers)")
-        p = self.positions(block)  # [B, H, bq, bk]
-        fl = p.detach().floor()
-        idx = fl.long()  # [B, H, bq, bk]
-        up = (idx + 1).clamp(max=self.npos - 1)  # ⌈p⌉ (its weight is 0 when p is an integer)
-        e = torch.matmul(block.q, self.emb[block.layer].to(block.q.dtype))  # [B, H, bq, npos] q·e[n]
-        w = p - fl  # the interpolation weight carries the gradient
-        pos_logits = torch.lerp(e.gather(-1, idx), e.gather(-1, up), w.to(e.dtype))  # [B, H, bq, bk]
-        return logits + pos_logits.to(logits.dtype) / math.sqrt(block.q.shape[-1])
+        # gates σ(q·k/√d), 0 for masked keys: σ(-inf) = 0 (logits are q·k/√d, -inf where masked, without a bias)
+        gate_logits = logits if block.bias is None else block.qk.masked_fill(~block.visible, -math.inf)
+        e = torch.matmul(block.q, self.emb[block.layer].to(block.q.dtype)) / math.sqrt(self.head_dim)  # [B, H, bq, npos]
+        return logits + CoPELogits.apply(gate_logits, e, self.npos).to(logits.dtype)
+
+
+class CoPELogits(torch.autograd.Function):
+    """q·e[p_ij]/√d of eqs. 4-5 from the gate logits l [B, H, bq, bk] and e = q·emb/√d [B, H, bq, npos],
+    with a hand-written backward: the same gradients as autograd through the official forward (tests/
+    test_cope.py), without its full-size temporaries (flips, slice and gather backward buffers).
+
+    p = clip(Σ_{t>=j} σ(l_t), npos - 1); out = e[⌊p⌋] + (p - ⌊p⌋)·(e[⌊p⌋+1] - e[⌊p⌋]).
+    Backward: de scatters g·(1-w), g·w at ⌊p⌋, ⌊p⌋+1; dp = g·(e[⌊p⌋+1] - e[⌊p⌋]) where p is not
+    clipped; dσ_t = Σ_{j<=t} dp_j (the transpose of the reverse sum); dl = dσ·σ(1 - σ).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, e, npos: int):
+        g = torch.sigmoid(logits)  # [B, H, bq, bk]
+        p = g.cumsum(-1)
+        p = torch.sub(g.sum(-1, keepdim=True), p).add_(g).clamp_(max=npos - 1)  # Σ_{t >= j} g_t
+        idx = p.long()  # ⌊p⌋ (p >= 0)
+        up = torch.cat([e[..., 1:], e[..., -1:]], -1)  # e[⌊p⌋ + 1], the last one repeated
+        e0 = e.gather(-1, idx)
+        out = up.gather(-1, idx).sub_(e0)  # e[⌊p⌋+1] - e[⌊p⌋]
+        ctx.save_for_backward(g, p, e)
+        ctx.npos = npos
+        return out.mul_(p - idx).add_(e0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, p, e = ctx.saved_tensors
+        npos = ctx.npos
+        idx = p.long()
+        w = p - idx
+        up = torch.cat([e[..., 1:], e[..., -1:]], -1)
+        de = torch.zeros_like(e).scatter_add_(-1, idx, grad * (1 - w))  # [B, H, bq, npos]
+        dup = torch.zeros_like(e).scatter_add_(-1, idx, grad * w)
+        de[..., 1:] += dup[..., :-1]
+        de[..., -1] += dup[..., -1]  # the repeated last entry
+        dp = up.gather(-1, idx).sub_(e.gather(-1, idx)).mul_(grad)  # [B, H, bq, bk]
+        dp = dp.masked_fill_(p >= npos - 1, 0.0)  # clipped positions pass no gradient
+        dlogits = dp.cumsum(-1).mul_(g).mul_(1 - g)  # Σ_{j <= t} dp_j · σ'(l_t)
+        return dlogits, de, None
 
     def options(self):
         return {"layers": self.layers, "head_dim": self.head_dim, "npos_max": self.npos_max,
