@@ -60,7 +60,9 @@ class CoPE(PositionalScheme):
                               "build it with layers = the model's depth (GPT passes model.layers)")
         # gates σ(q·k/√d), 0 for masked keys: σ(-inf) = 0 (logits are q·k/√d, -inf where masked, without a bias)
         gate_logits = logits if block.bias is None else block.qk.masked_fill(~block.visible, -math.inf)
-        e = torch.matmul(block.q, self.emb[block.layer].to(block.q.dtype)) / math.sqrt(self.head_dim)  # [B, H, bq, npos]
+        # p <= the number of keys, so a block of bk keys reads e[0 .. min(npos - 1, bk)] only
+        emb = self.emb[block.layer, :, :min(self.npos, logits.shape[-1] + 1)].to(block.q.dtype)  # [D, n]
+        e = torch.matmul(block.q, emb) / math.sqrt(self.head_dim)  # [B, H, bq, n]
         return logits + CoPELogits.apply(gate_logits, e, self.npos).to(logits.dtype)
 
 
