@@ -160,7 +160,10 @@ def dense_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int 
     skip = not need_probs and (Lk < 2 or bool(torch.all(k_pos[1:] >= k_pos[:-1])))
     explicit = not fused or scheme.has_weight or sink is not None or bool(scheme.reference_only)
     outs, probs = [], None
-    for s in range(0, Lq, bs):
+    # the last block (widest key range) first: each later block's temporaries fit into memory freed by
+    # the one before, where growing blocks would grow the heap by their sum (the sink keeps row order)
+    starts = range(0, Lq, bs) if sink is not None else reversed(range(0, Lq, bs))
+    for s in starts:
         e = min(Lq, s + bs)
         qp, lo, hi = q_pos[s:e], 0, Lk
         if skip:
@@ -187,4 +190,6 @@ def dense_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int 
         p = weights(lg, scheme, blk, tau).to(v.dtype)
         outs.append(torch.matmul(p, vb))  # [B, H, bq, D]
         probs = p if need_probs else None
+    if sink is None:
+        outs.reverse()
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), probs
