@@ -270,3 +270,19 @@ def test_flex_is_refused_for_reference_only_schemes_in_one_line():
     with pytest.raises(UserError, match="reference path only") as err:
         attend(q, k, v, torch.arange(10), torch.arange(10), _StickBreaking(3), 0, AttnOptions(impl="flex"))
     assert "\n" not in str(err.value)
+
+
+def test_per_head_temperature_on_the_flex_path():
+    """FlexAttention (eager on the CPU, forward): q and the distance table divided per head."""
+    from extrapolab.model import flex
+
+    if not flex.available():
+        pytest.skip("torch without FlexAttention")
+    s = _tau_scheme(KerpleLog, False).float()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 3, 200, 16, generator=g) for _ in range(3))
+    pos = torch.arange(200)
+    with torch.no_grad():
+        got, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex", temperature=0.7))
+        want = _formula(q.double(), k.double(), v.double(), pos, pos, s.double(), 0.7, s.temperature(pos))
+    assert (got.double() - want).abs().max() < 2e-5
