@@ -145,7 +145,7 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     toeplitz = not dense_bias and is_toeplitz(scheme, allow_weight=True) and a is not None and c is not None \
         and c <= a and not content and not tau_rows
     if folded and not dense_bias and (content or tau_rows or not toeplitz):
-        return "folded", fold_block(Lq, opts.block_size, blocked)
+        return "folded", fold_block(opts.block_size, blocked)
     if toeplitz:
         if impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype)):
             if device == "cpu" and grad:

@@ -133,7 +133,7 @@ def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-def fold_block(Lq: int, block_size: int, blocked: bool) -> int | None:
+def fold_block(block_size: int, blocked: bool) -> int | None:
     """Query rows per call: ``block_size`` when blocked, else as the re-centring allows (None)."""
     return max(1, int(block_size)) if blocked else None
 
