@@ -180,7 +180,8 @@ class _AbsoluteBonus(positional.PositionalScheme):
 def test_fallback_equals_reference_with_gradients(case):
     """Biases that are not Toeplitz, and positions that are not contiguous, take the dense-mask
     fallback in query blocks: output and gradients equal the reference path's."""
-    s = _AbsoluteBonus(3) if case == "absolute-bias" else positional.build("alibi", num_heads=3)
+    # gapped positions: a distance table that is not of the ALiBi form (ALiBi itself takes the folded path)
+    s = _AbsoluteBonus(3) if case == "absolute-bias" else positional.build("kerple-log", num_heads=3)
     g = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(2, 3, 40, 8, generator=g).requires_grad_() for _ in range(3))
     pos = torch.arange(40) if case == "absolute-bias" else torch.arange(40) * 3 + (torch.arange(40) > 20)

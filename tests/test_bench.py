@@ -170,3 +170,23 @@ def test_bench_preset_and_quick_are_exclusive_and_unknown_preset_is_one_line():
     assert res.exit_code == 2 and "--quick or --preset" in res.output
     res = CliRunner().invoke(app, ["bench", "--preset", "nope-nope"])
     assert res.exit_code == 2 and res.output.count("\n") == 1
+
+
+def test_new_hooks_bench_against_nope_and_say_why_a_scheme_is_not_fused():
+    """FoX (positions from content), a hybrid, the head scale and CoPE (reference path) in one process
+    with NoPE; CoPE's rows and table carry the reason no fused kernel runs it; the goals name them."""
+    res = run_bench(["fox", ("hybrid(2)", "hybrid", {"every": 2}), "nope-headscale", "cope"], lengths_train=(16,),
+                    long_lengths=(64,), model_cfg=TINY, repeats=1, warmup=0, batch_tokens=32, threads=1,
+                    progress=False, groups=("train", "long"))
+    rows, long = res["train"]["16"], res["long"]["64"]
+    assert list(rows) == ["none", "fox", "hybrid(2)", "nope-headscale", "cope"]
+    assert "whole row" in rows["cope"]["unfused"] and "whole row" in long["cope"]["unfused"]
+    assert not any("unfused" in rows[s] for s in ("fox", "hybrid(2)", "nope-headscale"))
+    table = format_table(res)
+    assert "- cope: reference path, no fused kernel: CoPE's position" in table
+    res["train"]["512"] = res["train"].pop("16")  # the goals read L_tr = 512 rows
+    res["long"]["4096"] = res["long"].pop("64")
+    goals = "\n".join(check_goals(res))
+    for want in ("positions from content <= 1.30x", "score-level (reference path) <= 3.00x",
+                 "learned temperature <= 1.10x", "positions from content <= 1.50x NoPE per forward at L = 4096"):
+        assert want in goals, goals

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from extrapolab.eval import evaluate
 from extrapolab.model.attention import AttnOptions, attend
 from extrapolab.model.gpt import GPT, ModelConfig
-from extrapolab.positional import SchemeError, build, names
+from extrapolab.positional import REGISTRY, SchemeError, build, names, scheme_params
 
 V, L_TR, L_EX = 32, 8, 256
 MODES = ("fp32", "bf16-autocast", "bf16-weights")
@@ -114,9 +114,10 @@ def test_self_only_rows_reduce_to_the_value():
 
 
 # ---- blocked / fused / auto == plain --------------------------------------------------------------
-def _scheme(name: str, heads: int, seed: int):
+def _scheme(name: str, heads: int, seed: int, head_dim: int = 8):
     torch.manual_seed(seed)
-    s = build(name, num_heads=heads)
+    sizes = {"dim": heads * head_dim, "layers": 2, "head_dim": head_dim}  # schemes with per-layer parameters
+    s = build(name, num_heads=heads, **{k: v for k, v in sizes.items() if k in scheme_params(REGISTRY[name])})
     with torch.no_grad():
         for p in s.parameters():
             p.uniform_(0.05, 1.5)  # learned tables / kernels away from their (often zero) init
@@ -130,7 +131,7 @@ def _scheme(name: str, heads: int, seed: int):
        window=st.one_of(st.none(), st.integers(1, 30)), tau=st.sampled_from([1.0, 0.8, 0.5]),
        impl=st.sampled_from(["blocked", "sdpa", "auto"]), tiny_budget=st.booleans(), seed=st.integers(0, 99))
 def test_blocked_equals_plain(name, B, H, D, Lq, extra, offset, block, window, tau, impl, tiny_budget, seed):
-    scheme = _scheme(name, H, seed)
+    scheme = _scheme(name, H, seed, D)
     Lk = Lq + extra
     k_pos = torch.arange(Lk) + offset  # keys, e.g. a KV cache that starts at `offset`
     q_pos = k_pos[extra:]  # the newest Lq positions: every query sees at least itself
@@ -139,8 +140,12 @@ def test_blocked_equals_plain(name, B, H, D, Lq, extra, offset, block, window, t
     k, v = (torch.randn(B, H, Lk, D, generator=g, dtype=torch.float64) for _ in range(2))
     budget = 1e-6 if tiny_budget else 512.0  # a tiny budget forces 'auto' onto the blocked path
     kw = dict(block_size=block, memory_budget_mb=budget, window=window, temperature=tau)
-    ref, _ = attend(q, k, v, q_pos, k_pos, scheme, 1, AttnOptions(impl="plain", **kw))
-    out, _ = attend(q, k, v, q_pos, k_pos, scheme, 1, AttnOptions(impl=impl, **kw))
+    content = None
+    if scheme.has_content:  # positions from content: any non-decreasing p per (batch, head), keys' a prefix
+        pk = torch.rand(B, H, Lk, generator=g, dtype=torch.float64).mul(3.0).cumsum(-1)  # [B, H, Lk]
+        content = (pk[..., extra:], pk)
+    ref, _ = attend(q, k, v, q_pos, k_pos, scheme, 1, AttnOptions(impl="plain", **kw), content=content)
+    out, _ = attend(q, k, v, q_pos, k_pos, scheme, 1, AttnOptions(impl=impl, **kw), content=content)
     assert torch.isfinite(ref).all()
     # float64 activations; the plain path takes the scheme's bias in float32 (RelativeBias.bias), the
     # others a float64 distance table, so ~1e-9 differences are rounding of that bias, not error

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from extrapolab import positional as P
-from extrapolab.model.attention import AttnOptions
-from extrapolab.model.gpt import GPT, ModelConfig
+from extrapolab.memory import PeakMemory
+from extrapolab.model.attention import AttnOptions, attend
+from extrapolab.model.gpt import GPT, KVCache, ModelConfig
 from extrapolab.positional.base import RelativeBias, SchemeError
 from extrapolab.positional.registry import REGISTRY
 
@@ -68,8 +69,9 @@ def _randomize_(scheme):
 
 def _scheme(name, opts):
     params = dict(opts)
-    if "dim" in P.scheme_params(REGISTRY[name]):  # learned APE: table width = model width
-        params.setdefault("dim", DIM)
+    accepted = P.scheme_params(REGISTRY[name])
+    sizes = {"dim": DIM, "layers": 3, "head_dim": DIM // H}  # learned APE's width, per-layer parameters
+    params.update({k: v for k, v in sizes.items() if k in accepted and k not in params})
     return _randomize_(P.build(name, H, **params))
 
 
@@ -91,7 +93,7 @@ def test_metadata_and_options_roundtrip(name, opts):
     with registered(name):
         cls = REGISTRY[name]
         assert cls.paper.strip() and cls.summary.strip(), "paper and summary must be filled in"
-        assert cls.kind in ("none", "absolute", "rotary", "bias")
+        assert cls.kind in ("none", "absolute", "rotary", "bias", "content", "score", "hybrid")
         s = _scheme(name, opts)
         again = P.build(name, H, **{k: v for k, v in s.options().items()})
         assert again.options() == s.options()
@@ -214,3 +216,38 @@ def test_sdpa_plain_blocked_paths_agree_and_prefix_is_causal(name, opts):
                 moved = model(idx, positions=torch.arange(1000, 1000 + L),
                               opts=AttnOptions(impl="blocked", block_size=9))
                 torch.testing.assert_close(moved, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,opts", CASES)
+def test_cached_decoding_equals_the_parallel_forward(name, opts):
+    """Causal decoding with a KV cache (a 7-token prompt, then one token at a time) gives the parallel
+    forward's outputs: rotated keys, positions from content and per-layer schemes are cached right."""
+    with registered(name):
+        model = _model(name, opts, train_length=32).eval()
+        idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            full = model(idx)
+            cache = KVCache(LAYERS)
+            steps = [model(idx[:, :7], positions=torch.arange(7), cache=cache)]
+            steps += [model(idx[:, t:t + 1], positions=torch.tensor([t]), cache=cache) for t in range(7, 32)]
+        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("name,opts", CASES)
+def test_long_attention_never_builds_an_L_by_L_tensor(name, opts):
+    """8,192 tokens through attend(): one [H, L, L] fp32 tensor would be 1 GiB; every scheme stays
+    far below (score-level schemes hold one block of 64 query rows at a time, ~8 MiB a tensor)."""
+    with registered(name):
+        s = _scheme(name, opts)
+        L, D = 8192, DIM // H
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
+        pos = torch.arange(L)
+        content = None
+        if s.has_content:
+            p = torch.rand(1, H, L, generator=g, dtype=torch.float64).cumsum(-1)  # [1, H, L]
+            content = (p, p)
+        for layer in _layers(s):
+            with torch.no_grad(), PeakMemory() as mem:
+                out, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(), content=content)
+            assert torch.isfinite(out).all() and mem.mib < 256, (layer, mem.mib)

@@ -8,6 +8,9 @@
 * Thesis §3.7.5, Fig. 3.6: effective length eff_h = min{k : bias_h(k) < -2} and the curve
   x -> Count{h : eff_h <= x} for x in 0..20480. The thesis' kernels satisfy bias(0) = 0; for a
   scheme with bias(0) != 0 (T5) we measure bias_h(k) - bias_h(0) (softmax is shift-invariant).
+* FoX (Lin et al. 2025 §2): the bias depends on the text, so it is drawn from a trained model on a
+  text: the per-token forget gate f_t per layer and head, and the last query's bias row
+  Σ_{l=n+1..m} log f_l (``content_gates``, ``plot_gates``, ``gate_summary``).
 
 Heat maps subsample positions (``max_points`` per axis) through ``scheme.bias`` for those
 positions only, so an 8192 x 8192 picture never builds the full matrix.
@@ -187,4 +190,64 @@ def plot_effective_length(curves: dict, path_stem, *, max_distance: int = EFF_MA
     ax.set_ylabel("heads with effective length <= |m - n|")
     ax.set_title("Effective length (first k with bias < -2)")
     ax.legend(fontsize=7)
+    return save_figure(fig, path_stem)
+
+
+# ---- positions from content: FoX's per-token forget gate -------------------------------------------
+def content_gates(model, segment) -> dict:
+    """FoX's gates on one text: per layer, f [H, L] (one segment of token ids [L]) and the bias
+    D(m, n) = Σ_{l=n+1..m} log f_l of the last query m = L - 1 against every key, [H, L] (Lin et al.
+    2025 §2). Layers whose scheme has no positions from content are left out."""
+    from .attn import LayerCapture, capture_qkv
+    from .common import as_segments
+
+    seg = as_segments(segment)[:1]  # [1, L]
+    dev = next(model.parameters()).device
+    caps = capture_qkv(model, seg.to(dev))
+    out = {}
+    for layer, cap in enumerate(caps):
+        scheme = model.scheme.for_layer(layer)
+        if not isinstance(cap, LayerCapture) or not hasattr(scheme, "log_gate"):
+            continue
+        with torch.no_grad():
+            logf = scheme.log_gate(cap.hidden, layer)[0].double()  # [H, L]
+        total = logf.flip(-1).cumsum(-1).flip(-1)  # Σ_{l >= n} log f_l
+        last_row = torch.cat([total[:, 1:], torch.zeros_like(total[:, :1])], -1)  # Σ_{l=n+1..L-1}: [H, L]
+        out[layer] = {"gate": logf.exp().cpu().numpy(), "last_row": last_row.cpu().numpy()}
+    if not out:
+        raise UserError(f"scheme {model.scheme.name!r} has no forget gates to draw; this picture is for fox")
+    return out
+
+
+def gate_summary(gates: dict, threshold: float = EFF_THRESHOLD) -> dict:
+    """Per layer and head: mean gate, and the effective length of the last row (first distance k with
+    D(m, m - k) < threshold, the thesis' §3.7.5 reading applied to the content-dependent bias)."""
+    res = {}
+    for layer, g in gates.items():
+        row = g["last_row"][:, ::-1]  # [H, L] by distance k = 0, 1, ...
+        effs = [int(np.nonzero(r < threshold)[0][0]) if (r < threshold).any() else None for r in row]
+        res[int(layer)] = {"mean_gate": g["gate"].mean(-1).round(4).tolist(), "effective_lengths": effs}
+    return res
+
+
+def plot_gates(gates: dict, path_stem, *, title: str | None = None) -> list[str]:
+    """FoX's per-token gate f_t per head (one heat map per layer, tokens on x) and the last query's
+    bias row per head against the key position."""
+    layers = sorted(gates)
+    fig, axes = new_figure(9.0, 2.2 * (len(layers) + 1), ncols=1, nrows=len(layers) + 1)
+    axes = np.atleast_1d(axes).ravel()
+    for ax, layer in zip(axes, layers):
+        im = ax.imshow(gates[layer]["gate"], aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
+                       interpolation="nearest")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+        ax.set_ylabel(f"layer {layer}\nhead", fontsize=7)
+    axes[len(layers) - 1].set_xlabel("token position t (gate f_t)", fontsize=7)
+    ax = axes[-1]
+    for layer in layers:
+        for h, row in enumerate(gates[layer]["last_row"]):
+            ax.plot(np.arange(row.shape[0]), row, lw=0.8, label=f"L{layer} h{h}")
+    ax.set_xlabel("key position n (query m = last token)", fontsize=7)
+    ax.set_ylabel("Σ log f (bias)", fontsize=7)
+    ax.legend(fontsize=5, ncol=4)
+    fig.suptitle(title or "FoX forget gates and the last query's bias")
     return save_figure(fig, path_stem)

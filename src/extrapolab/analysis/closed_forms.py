@@ -152,6 +152,8 @@ CLOSED_FORMS.update({"kerple-gauss-1para-wht": _zero_bias, "kerple-gauss-2para-w
 
 def exact_form(scheme, head: int, layer: int = 0) -> dict | None:
     """Closed-form verdict for this head, or None (numeric only)."""
+    if getattr(scheme, "no_trf", ""):  # content-dependent bias (FoX, CoPE): no formula, say why
+        return _exact(None, scheme.no_trf)
     if not _additive(scheme):
         return _exact(False, NO_BIAS)
     fn = CLOSED_FORMS.get(scheme.name)

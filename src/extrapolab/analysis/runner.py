@@ -2,7 +2,7 @@
 
 Outputs (each written atomically): ``analysis.json`` with every number, and PNG+SVG figures:
 erf (A1), trf_eps (A2), bias_heatmap / exp_bias_heatmap / bias_last_row / kernels /
-effective_length (A3, bias schemes; dbar_sweep for Sandwich), nope_variance and
+effective_length (A3, bias schemes; dbar_sweep for Sandwich; gates for FoX), nope_variance and
 nope_cumulative_attention on the checkpoint (A4, thesis Figs. 2.6-2.7), sharpness (A5).
 """
 from __future__ import annotations
@@ -111,6 +111,10 @@ def _analyze_all(run_dir, out_dir, place, which, tokens, erf_length, segments, e
         res["bias"] = {"log_fits": fits, "effective_lengths": effs}
         if scheme.name == "sandwich":
             f["dbar_sweep"], res["bias"]["dbar_sweep"] = A3.plot_dbar_sweep(fig("dbar_sweep"), length=L_ex)
+    elif any(scheme.for_layer(i).has_content for i in range(len(model.blocks))):  # FoX: gates on a text
+        gates = A3.content_gates(model, segs[0])
+        res["figures"]["gates"] = A3.plot_gates(gates, fig("gates"), title=f"{cfg.name}: forget gates")
+        res["bias"] = {"gates": A3.gate_summary(gates)}
     timings["A3"] = time.perf_counter() - t
 
     t = time.perf_counter()  # ---- A4: variance of the attention output on the checkpoint

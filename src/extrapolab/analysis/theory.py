@@ -20,6 +20,10 @@ Two answers per head, both reported:
   Otherwise (ratios < 1 but creeping towards 1, the 1/(n ln^p n) family) it is undetermined
   (``None``): no finite computation can settle those.
 * ``exact`` — the verdict from the formula where a closed form exists (``CLOSED_FORMS``); it wins.
+
+Schemes whose bias depends on the content (FoX's gates, CoPE's counted positions) have no formula:
+they say why in ``no_trf`` and the verdict is undetermined (None) with that reason. A per-layer
+hybrid is read at ``layer`` (its ``for_layer``).
 """
 from __future__ import annotations
 
@@ -119,7 +123,7 @@ def numeric_series(scheme, layer: int = 0, n: int = DEFAULT_N, octaves: int = 6,
 def _one(scheme, h, layer, num) -> dict:
     ex = exact_form(scheme, h, layer)
     if ex is not None:
-        conv, method = ex["converges"], "exact: " + ex["method"]
+        conv, method = ex["converges"], ("exact: " if ex["converges"] is not None else "") + ex["method"]
         if ex["tail"] is not None:
             tail_bound = 0.0
         elif ex["bound"] is not None:  # closed-form bound on sum_{t>=N}: tighter and safer than numeric
@@ -152,7 +156,7 @@ def convergence(scheme, head: int | None = None, *, layer: int = 0, n: int = DEF
     numeric (the numeric test's own findings, kept as a cross-check)).
     A scheme name is built with ``num_heads`` and ``params``.
     """
-    scheme = as_scheme(scheme, num_heads, **params)
+    scheme = as_scheme(scheme, num_heads, **params).for_layer(layer)
     heads = range(scheme.num_heads) if head is None else [_check_head(scheme, head)]
     nums = numeric_series(scheme, layer, n)
     out = [_public(_one(scheme, h, layer, nums[h])) for h in heads]
@@ -209,6 +213,7 @@ def _trf_row(d: dict, eps: float, n: int) -> dict:
 
 
 def _details(scheme, layer: int, n: int) -> list[dict]:
+    scheme = scheme.for_layer(layer)  # per-layer hybrids: the scheme this layer attends with
     nums = numeric_series(scheme, layer, n)
     return [_one(scheme, h, layer, nums[h]) for h in range(scheme.num_heads)]
 

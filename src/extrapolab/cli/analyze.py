@@ -155,6 +155,20 @@ def bias_cmd(
         s, name = positional.build(scheme, num_heads=heads, **_params(param)), scheme
     else:
         raise UserError("give a scheme name or --run RUN_DIR")
+    if s.has_content:  # FoX: the bias depends on the text, drawn from the run's gates on its test split
+        if run is None:
+            raise UserError(f"{name}'s bias depends on the text (its forget gates); give --run RUN_DIR to draw "
+                            "the gates of a trained model on its test split")
+        from ..analysis.common import segments_from_stream
+        from ..analysis.runner import test_stream
+
+        gates = A3.content_gates(model, segments_from_stream(test_stream(cfg), min(length, 2048), 1))
+        figs = A3.plot_gates(gates, out / f"{name}_gates")
+        summary = A3.gate_summary(gates)
+        lines = [f"layer {k} mean gate per head {v['mean_gate']}, effective lengths {v['effective_lengths']}"
+                 for k, v in summary.items()] + [f"wrote {len(figs)} files to {out}"]
+        _echo({"scheme": name, "gates": summary, "figures": figs}, as_json, lines)
+        return
     figs = A3.plot_bias_heatmap(s, length, out / f"{name}_bias_heatmap", heads=head)
     figs += A3.plot_bias_heatmap(s, min(length, 64), out / f"{name}_exp_bias_heatmap", heads=head, exp=True)
     f, fits = A3.plot_last_row_fit(s, length, out / f"{name}_last_row", heads=head)

@@ -11,10 +11,16 @@ equal to the reference. The paths, chosen by :func:`select_path`:
 * ``toeplitz``   :mod:`.toeplitz`, relative biases at contiguous positions: Hankel-view masks in
                  fused SDPA (CPU), HankelSDPA for learnable tables, tiled softmax for wht kernels;
 * ``flex``       :mod:`.flex`, relative biases on CUDA: FlexAttention ``score_mod`` + block masks;
+* ``folded``     :mod:`.folded`, ALiBi-form biases -s_h·(p_m - p_n) at any increasing positions
+                 (ALiBi with gaps or random positions, FoX's positions from content, a per-query
+                 temperature): the key term as one extra head dimension of the fused causal kernel;
 * ``fallback``   :mod:`.reference` with each query block's dense mask in fused SDPA, for biases
                  that are not a function of m - n and positions that are not contiguous;
 * ``twopass``    :mod:`.twopass`, Self-Extend / ReRoPE (``scheme.second_pass()``): near and far
                  passes fused, merged by log-sum-exp.
+
+Schemes with score-level hooks (``reference_only``: CoPE, DAPE, stick-breaking) always take the
+reference path, in query blocks of min(``block_size``, :data:`SCORE_BLOCK`) rows.
 """
 from __future__ import annotations
 
@@ -29,12 +35,16 @@ import torch.nn.functional as F
 from ..io import UserError
 from ..positional.base import PositionalScheme
 from . import flex
-from .reference import LogitsSink, dense_attention
+from .folded import fold_block, folded_attention, token_positions
+from .reference import LogitsSink, dense_attention, scheme_tau
 from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
 from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
 from .twopass import twopass_attention
 
 IMPLS = ("auto", "sdpa", "plain", "blocked", "flex")
+#: query rows per block for schemes with score-level hooks: a block over keys up to its last query
+#: holds L·rows/2 masked entries, so small blocks skip most of the upper triangle (chosen by hand)
+SCORE_BLOCK = 64
 
 
 def flush_denormals(enable: bool = True) -> bool:
@@ -106,11 +116,15 @@ def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
 
 
 def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
-                same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32):
+                same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32,
+                folded: bool = False, tau_rows: bool = False):
     """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
     q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
-    first positions (a, c) of contiguous query / key positions, None where not contiguous.
+    first positions (a, c) of contiguous query / key positions, None where not contiguous;
+    ``folded``: the scheme's bias has the ALiBi form (``alibi_slopes``) and the positions increase;
+    ``tau_rows``: the scheme's temperature varies over query positions. Schemes with positions from
+    content (``has_content``) never take the causal or Toeplitz paths.
     """
     _, H, Lq, D = q_shape
     impl = opts.impl
@@ -119,15 +133,25 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     blocked = impl == "blocked"
     too_big = H * Lq * Lk * 4 / 2**20 > opts.memory_budget_mb and Lq > opts.block_size
     block = int(opts.block_size) if blocked or too_big else None
-    if opts.need_probs or opts.logits_sink is not None or impl == "plain":
+    if opts.need_probs or opts.logits_sink is not None or impl == "plain" or scheme.reference_only:
+        if impl == "flex" and scheme.reference_only:
+            raise UserError(f"scheme {scheme.name!r} runs on the reference path only ({scheme.reference_only}); "
+                            "use impl='auto'")
+        if scheme.reference_only and not opts.need_probs:  # small blocks skip most masked (future) keys
+            return "reference", min(int(opts.block_size), SCORE_BLOCK)
         return "reference", (None if opts.need_probs else int(opts.block_size) if opts.logits_sink else block)
     if scheme.second_pass() is not None:  # Self-Extend / ReRoPE: near + far pass, merged by log-sum-exp
         return "twopass", min(int(opts.block_size), TOEPLITZ_BLOCK)
-    bias_free = not scheme.has_bias and not scheme.has_weight
+    content = scheme.has_content
+    bias_free = not scheme.has_bias and not scheme.has_weight and not content
     if bias_free and opts.window is None and same_pos and not blocked:
         return "causal", None
     a, c = starts
-    if not dense_bias and is_toeplitz(scheme, allow_weight=True) and a is not None and c is not None and c <= a:
+    toeplitz = not dense_bias and is_toeplitz(scheme, allow_weight=True) and a is not None and c is not None \
+        and c <= a and not content and not tau_rows
+    if folded and not dense_bias and (content or tau_rows or not toeplitz):
+        return "folded", fold_block(opts.block_size, blocked)
+    if toeplitz:
         if impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype)):
             if device == "cpu" and grad:
                 raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
@@ -136,6 +160,13 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
     return "fallback", block
+
+
+def _increasing(bias, pos: torch.Tensor) -> bool:
+    """Strictly increasing positions (memoised per forward by a shared :class:`DistanceBias`)."""
+    if isinstance(bias, DistanceBias):
+        return bias.increasing(pos)
+    return pos.numel() < 2 or bool(torch.all(pos[1:] > pos[:-1]))
 
 
 def attend(
@@ -149,43 +180,71 @@ def attend(
     opts: AttnOptions | None = None,
     bias: "torch.Tensor | DistanceBias | None" = None,
     rotate: bool = True,
+    *,
+    content: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [B,H,Lq,D], k/v [B,H,Lk,D] (k, v not yet rotated) -> (out [B,H,Lq,D], probs | None).
 
-    ``bias`` optionally passes a precomputed [H, Lq, Lk] scheme bias, or a :class:`DistanceBias`
-    (one per forward, shared by layers); ``rotate=False`` when q, k were already rotated (KV cache).
+    ``scheme`` is resolved for ``layer`` here (``for_layer``: per-layer hybrids). ``bias`` optionally
+    passes a precomputed [H, Lq, Lk] scheme bias, or a :class:`DistanceBias` (one per forward,
+    shared by layers); ``rotate=False`` when q, k were already rotated (KV cache). ``content``:
+    (p_q [B, H, Lq], p_k [B, H, Lk]) from ``scheme.content_positions`` (FoX), which such schemes need.
     """
     opts = opts or AttnOptions()
+    scheme = scheme.for_layer(layer)
+    if isinstance(bias, DistanceBias):
+        bias = bias.of(scheme)
+    if scheme.has_content and content is None:
+        raise UserError(f"scheme {scheme.name!r} computes positions from the layer input; call attend() with "
+                        "content=(p_q, p_k) from scheme.content_positions (GPT's blocks do)")
     if rotate:
         q, k = scheme.rotate(q, k, q_pos, k_pos)
     tau = opts.tau(layer)
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    base = 1.0 / math.sqrt(q.shape[-1])
+    scale = base / tau
     dense = bias if isinstance(bias, torch.Tensor) else None
-    bias_free = not scheme.has_bias and not scheme.has_weight and opts.window is None
-    same = bias_free and q.shape[2] == k.shape[2] and torch.equal(q_pos, k_pos)  # (a device sync: only when it matters)
+    tau_s = scheme_tau(scheme, q_pos, layer)  # [1, H|1, Lq|1] or None
+    tau_rows = tau_s is not None and tau_s.shape[-1] > 1
+    slopes = scheme.alibi_slopes(layer) if dense is None else None
+    Lq, Lk = q.shape[2], k.shape[2]
+    bias_free = not scheme.has_bias and not scheme.has_weight and content is None and opts.window is None
+    same = (bias_free or slopes is not None) and Lq == Lk and (q_pos is k_pos or torch.equal(q_pos, k_pos))  # (a device sync: only when it matters)
     starts = _contiguous_starts(bias, q_pos, k_pos) if dense is None else (None, None)
+    folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows) \
+        and _increasing(bias, q_pos) and _increasing(bias, k_pos)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    path, block = select_path(q.device.type, scheme, opts, q.shape, k.shape[2], same_pos=same,
-                              starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype)
+    path, block = select_path(q.device.type, scheme, opts, q.shape, Lk, same_pos=same and bias_free,
+                              starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype,
+                              folded=folded, tau_rows=tau_rows)
     if path == "causal":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale / tau), None
-    if path == "twopass":
-        return twopass_attention(q, k, v, q_pos, k_pos, scheme, layer, starts, scale=scale / tau, tau=tau,
+        if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
+            q = q / tau_s[..., None].to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), None
+    if path == "twopass":  # no bias: a scheme temperature divides q's rows, as on the causal path
+        if tau_s is not None:
+            q = q / tau_s[..., None].to(q.dtype)
+        return twopass_attention(q, k, v, q_pos, k_pos, scheme, layer, starts, scale=scale, tau=tau,
                                  window=opts.window, block=block), None
+    if path == "folded":
+        pq, pk = content if content is not None else (token_positions(q_pos), token_positions(k_pos))
+        rows = None if tau_s is None else tau_s.expand(1, tau_s.shape[1], Lq)  # [1, H|1, Lq]
+        return folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, base_scale=base, scale=scale,
+                                tau_rows=rows, window=opts.window, block=block, same=same), None
+    tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path in ("toeplitz", "flex"):
         db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
             try:
-                return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=scale, tau=tau,
-                                                window=opts.window), None
+                return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
+                                                window=opts.window, tau_h=tau_h), None
             except flex.RecompileLimit as full:  # never the eager dense fallback: the Toeplitz path
                 flex.warn_limit(q, k, scheme.learnable, full.limit)
                 block = min(int(opts.block_size), TOEPLITZ_BLOCK) if q.shape[2] > TOEPLITZ_BLOCK else None
-        return toeplitz_attention(q, k, v, *starts, db, layer, scale=scale / tau, tau=tau,
-                                  window=opts.window, block=block), None
+        return toeplitz_attention(q, k, v, *starts, db, layer, scale=scale, tau=tau,
+                                  window=opts.window, block=block, tau_h=tau_h), None
     if path == "fallback" and block is not None:  # rows per block within the memory budget
         per_row = q.shape[0] * q.shape[1] * k.shape[2] * 4 * (3 if scheme.has_weight else 1)
         block = max(1, min(block, int(opts.memory_budget_mb * 2**20 // per_row)))
     return dense_attention(q, k, v, q_pos, k_pos, scheme, layer, tau=tau, window=opts.window, bias=dense,
                            block=block, fused=path == "fallback", need_probs=opts.need_probs,
-                           sink=opts.logits_sink)
+                           sink=opts.logits_sink, content=content, tau_s=tau_s)

@@ -44,6 +44,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .reference import divide_finite
 from .tables import DistanceBias
 
 BLOCK = 128  # FlexAttention's default sparse block size (queries x keys)
@@ -201,15 +202,20 @@ def _finite(table: torch.Tensor, window: int | None) -> torch.Tensor:
 
 
 def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *, scale: float,
-                        tau: float = 1.0, window: int | None = None) -> torch.Tensor:
+                        tau: float = 1.0, window: int | None = None,
+                        tau_h: torch.Tensor | None = None) -> torch.Tensor:
     """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c.. (c <= a) -> out [B,H,Lq,D].
 
+    ``tau_h`` [H|1]: the scheme's per-head temperature, dividing q and the table per head.
     Raises :class:`RecompileLimit` when the compiled kernel is full (attend() then takes the
     Toeplitz path). No host-device synchronisation (module doc)."""
     H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
     n = a + Lq - c  # distances 0 .. dmax
     scheme = db.scheme
     bias = db.table(layer, n).expand(H, n).contiguous()  # [H, n]; graph kept for learnable tables
+    if tau_h is not None:
+        q = q / tau_h.view(1, -1, 1, 1).to(q.dtype)  # [B, H, Lq, D]
+        bias = divide_finite(bias, tau_h.view(-1, 1).to(bias.dtype))  # [H, n]
     weight = db.table(layer, n, "weight").expand(H, n).contiguous() if scheme.has_weight else None
     key = ("flexmask", q.device, Lq, Lk, a - c, window, db.layer_key(layer))
     if scheme.learnable:  # the finite pattern of this forward's table, built on the device once

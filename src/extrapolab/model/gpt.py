@@ -53,6 +53,12 @@ class ModelConfig:
         return asdict(self)
 
 
+def model_fields(cfg: ModelConfig) -> dict:
+    """The model sizes a scheme may take as options (its constructor names them): width ``dim``,
+    depth ``layers``, ``head_dim``, the weights' ``init_std``."""
+    return {"dim": cfg.dim, "layers": cfg.layers, "head_dim": cfg.dim // cfg.heads, "init_std": cfg.init_std}
+
+
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:
     if cfg.arch == "regulargpt":  # its attention is eq. 6.1 itself (C, K from the model config)
         return positional.build("sliding-dilated", num_heads=cfg.heads, C=cfg.C, K=cfg.K)
@@ -61,8 +67,12 @@ def build_scheme(cfg: ModelConfig) -> PositionalScheme:
         params.setdefault("max_length", cfg.train_length)
         params.setdefault("dim", cfg.dim)
         params.setdefault("std", cfg.init_std if cfg.embed_scale else cfg.dim ** -0.5)  # as the tokens
-    if "original_length" in positional.scheme_params(positional.REGISTRY.get(cfg.scheme, PositionalScheme)):
+    accepted = positional.scheme_params(positional.REGISTRY.get(cfg.scheme, PositionalScheme))
+    if "original_length" in accepted:
         params.setdefault("original_length", cfg.train_length)  # RoPE extensions: L_tr is the trained length
+    for key, value in model_fields(cfg).items():  # schemes with per-layer parameters (FoX, CoPE, hybrids)
+        if key in accepted:
+            params.setdefault(key, value)
     if cfg.scheme == "sinusoidal":  # same rms as the token embeddings and a learned APE at init
         params.setdefault("scale", math.sqrt(2) * cfg.init_std if cfg.embed_scale else 1.0)
     return positional.build(cfg.scheme, num_heads=cfg.heads, **params)
@@ -78,6 +88,8 @@ class KVCache:
     ``k[layer]``, ``v[layer]``, ``pos[layer]`` are the current [B, H, Lc, D] / [Lc] views; with a
     window they alias the ring, so copy them if they must outlive the next ``extend``. Under
     autograd (k or v requiring grad) ``extend`` concatenates instead, leaving saved tensors intact.
+    Schemes with positions from content (FoX) pass ``content`` [B, H, L] too: ``content[layer]``
+    [B, H, Lc] then holds the cached keys' positions, and ``last_content`` continues them.
     """
 
     def __init__(self, layers: int, window: int | None = None) -> None:
@@ -87,11 +99,17 @@ class KVCache:
         self.k: list[torch.Tensor | None] = [None] * layers  # [B, H, Lc, D]
         self.v: list[torch.Tensor | None] = [None] * layers
         self.pos: list[torch.Tensor | None] = [None] * layers  # [Lc]
-        self._buf: list[tuple | None] = [None] * layers  # (kbuf, vbuf, pbuf) storage
+        self.content: list[torch.Tensor | None] = [None] * layers  # [B, H, Lc] positions from content
+        self._buf: list[tuple | None] = [None] * layers  # (kbuf, vbuf, pbuf, cbuf | None) storage
         self._count = [0] * layers  # tokens written so far
 
-    def _storage(self, layer, k, pos, need):
-        """The layer's (k, v, pos) buffers with room for ``need`` slots (allocated / grown here)."""
+    def last_content(self, layer: int) -> torch.Tensor | None:
+        """[B, H] position from content of the newest cached token of ``layer``, or None."""
+        c = self.content[layer]
+        return None if c is None or c.shape[-1] == 0 else c[..., -1]
+
+    def _storage(self, layer, k, pos, need, content=None):
+        """The layer's (k, v, pos, content) buffers with room for ``need`` slots (allocated / grown here)."""
         buf, n = self._buf[layer], self._count[layer]
         if buf is not None and (buf[0].shape[:2] != k.shape[:2] or buf[0].shape[3] != k.shape[3]
                                 or buf[0].dtype != k.dtype or buf[0].device != k.device):
@@ -101,34 +119,42 @@ class KVCache:
             return buf
         B, H, _, D = k.shape
         cap = need if self.window is not None else max(need, 256, 2 * (buf[0].shape[2] if buf else 0))
-        new = (k.new_empty(B, H, cap, D), k.new_empty(B, H, cap, D), pos.new_empty(cap))  # [B,H,cap,D]
+        cb = None if content is None else content.new_empty(B, H, cap)  # [B, H, cap]
+        new = (k.new_empty(B, H, cap, D), k.new_empty(B, H, cap, D), pos.new_empty(cap), cb)  # [B,H,cap,D]
         if buf is not None:  # grow by doubling, keeping what is stored
             new[0][:, :, :n], new[1][:, :, :n], new[2][:n] = buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
+            if cb is not None and buf[3] is not None:
+                cb[..., :n] = buf[3][..., :n]
         self._buf[layer] = new
         return new
 
-    def extend(self, layer, k, v, pos):
-        """Append k, v [B, H, L, D] at positions pos [L]; return the keys attention sees now.
-
-        With a window the result is the newest ``window`` of (cached + new) tokens, in time order.
+    def extend(self, layer, k, v, pos, content=None):
+        """Append k, v [B, H, L, D] at positions pos [L] (and ``content`` [B, H, L], positions from
+        content); return the keys attention sees now, (k, v, pos); ``self.content[layer]`` then holds
+        their positions from content. With a window the result is the newest ``window`` of
+        (cached + new) tokens, in time order.
         """
         L, n, w = k.shape[2], self._count[layer], self.window
-        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-            return self._extend_functional(layer, k, v, pos)  # keep autograd's saved tensors intact
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or (content is not None and content.requires_grad)):
+            return self._extend_functional(layer, k, v, pos, content)  # keep autograd's saved tensors intact
         if self._buf[layer] is None and self.k[layer] is not None:  # seed from a functional extend
             k0, v0, p0 = self.k[layer].detach(), self.v[layer].detach(), self.pos[layer]
-            self.k[layer] = self.v[layer] = self.pos[layer] = None
-            self.extend(layer, k0, v0, p0)
+            c0 = None if self.content[layer] is None else self.content[layer].detach()
+            self.k[layer] = self.v[layer] = self.pos[layer] = self.content[layer] = None
+            self.extend(layer, k0, v0, p0, c0)
             n = self._count[layer]
         if w is None:
-            kb, vb, pb = self._storage(layer, k, pos, n + L)
+            kb, vb, pb, cb = self._storage(layer, k, pos, n + L, content)
             kb[:, :, n:n + L], vb[:, :, n:n + L], pb[n:n + L] = k, v, pos
+            if content is not None:
+                cb[..., n:n + L] = content
             size, start = n + L, 0
         else:
-            kb, vb, pb = self._storage(layer, k, pos, 2 * w)
+            kb, vb, pb, cb = self._storage(layer, k, pos, 2 * w, content)
             keep = min(L, w)  # only the newest w incoming tokens can survive
             B, H, _, D = kb.shape
             k2, v2, p2 = kb.view(B, H, 2, w, D), vb.view(B, H, 2, w, D), pb.view(2, w)  # two halves
+            c2 = None if content is None else cb.view(B, H, 2, w)
             i0, s0 = 0, (n + L - keep) % w  # kept token i0 goes to ring slot s0 (of both halves)
             while i0 < keep:  # at most two contiguous segments
                 seg = min(keep - i0, w - s0)
@@ -136,22 +162,28 @@ class KVCache:
                 k2[:, :, :, s0:s0 + seg] = k[:, :, None, a0:a0 + seg]  # [B, H, 2, seg, D]
                 v2[:, :, :, s0:s0 + seg] = v[:, :, None, a0:a0 + seg]
                 p2[:, s0:s0 + seg] = pos[None, a0:a0 + seg]
+                if c2 is not None:
+                    c2[:, :, :, s0:s0 + seg] = content[:, :, None, a0:a0 + seg]  # [B, H, 2, seg]
                 i0, s0 = i0 + seg, 0
             size, start = min(n + L, w), ((n + L) % w if n + L > w else 0)
         self._count[layer] = n + L
         out = kb[:, :, start:start + size], vb[:, :, start:start + size], pb[start:start + size]
         self.k[layer], self.v[layer], self.pos[layer] = out
+        self.content[layer] = None if content is None else cb[..., start:start + size]
         return out
 
-    def _extend_functional(self, layer, k, v, pos):
+    def _extend_functional(self, layer, k, v, pos, content=None):
         if self.k[layer] is not None:
             k = torch.cat([self.k[layer], k], dim=2)  # [B, H, Lc+L, D]
             v = torch.cat([self.v[layer], v], dim=2)
             pos = torch.cat([self.pos[layer], pos])
+            if content is not None:
+                content = torch.cat([self.content[layer], content], dim=-1)  # [B, H, Lc+L]
         if self.window is not None and k.shape[2] > self.window:
             k, v, pos = k[:, :, -self.window:], v[:, :, -self.window:], pos[-self.window:]
+            content = None if content is None else content[..., -self.window:]
         self._buf[layer], self._count[layer] = None, 0  # buffers restart from these tensors
-        self.k[layer], self.v[layer], self.pos[layer] = k, v, pos
+        self.k[layer], self.v[layer], self.pos[layer], self.content[layer] = k, v, pos, content
         return k, v, pos
 
 
@@ -171,14 +203,21 @@ class Block(nn.Module):
 
     def forward(self, x, pos, scheme, opts, bias=None, cache: KVCache | None = None):
         B, L, C = x.shape
-        qkv = self.qkv(self.ln1(x)).view(B, L, 3, self.heads, C // self.heads)  # [B, L, 3, H, D]
+        scheme = scheme.for_layer(self.index)  # per-layer hybrids: this layer's scheme, here and in attend
+        h = self.ln1(x)  # [B, L, C] the attention input
+        qkv = self.qkv(h).view(B, L, 3, self.heads, C // self.heads)  # [B, L, 3, H, D]
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
+        p = None  # positions from content (FoX), continued from the cache's last key
+        if scheme.has_content:
+            p = scheme.content_positions(h, self.index, None if cache is None else cache.last_content(self.index))
         if cache is None:
-            out, probs = attend(q, k, v, pos, pos, scheme, self.index, opts, bias)
+            out, probs = attend(q, k, v, pos, pos, scheme, self.index, opts, bias,
+                                content=None if p is None else (p, p))
         else:
             q, k = scheme.rotate(q, k, pos, pos)  # cache rotated keys at their absolute positions
-            k, v, kpos = cache.extend(self.index, k, v, pos)
-            out, probs = attend(q, k, v, pos, kpos, scheme, self.index, opts, bias, rotate=False)
+            k, v, kpos = cache.extend(self.index, k, v, pos, p)
+            out, probs = attend(q, k, v, pos, kpos, scheme, self.index, opts, bias, rotate=False,
+                                content=None if p is None else (p, cache.content[self.index]))
         y = self.proj(out.transpose(1, 2).reshape(B, L, C))  # [B, L, C]
         x = x + self.drop(y)
         x = x + self.drop(self.mlp(self.ln2(x)))
@@ -247,13 +286,7 @@ class GPT(nn.Module):
             opts = AttnOptions(**{**opts.__dict__, "need_probs": True})
         x = self.embed(idx, positions) if inputs_embeds is None else inputs_embeds
         x = self.drop(x)
-        bias = None  # shared by every layer's attend()
-        if is_toeplitz(self.scheme, allow_weight=True):
-            tdt = torch.float64 if self.tok.weight.dtype == torch.float64 else torch.float32
-            bias = DistanceBias(self.scheme, dev, tdt)  # O(H·L) tables, built once, shared by layers
-        elif cache is None and self.scheme.has_bias and not self.scheme.layer_dependent \
-                and opts.impl in ("sdpa", "auto") and not self._too_big(L, opts):
-            bias = self.scheme.bias(positions, positions, 0)  # [H, L, L] once for all layers
+        bias = self.shared_bias(positions, opts, cache is not None)  # shared by every layer's attend()
         all_probs = []
         for blk in self.blocks:
             x, p = blk(x, positions, self.scheme, opts, bias, cache)
@@ -268,6 +301,18 @@ class GPT(nn.Module):
         if return_hidden:
             out["hidden"] = h
         return out
+
+    def shared_bias(self, positions: torch.Tensor, opts: AttnOptions, cached: bool = False):
+        """What one forward shares across its layers' ``attend``: one [H, L, L] bias for a bias that
+        is neither a distance table nor of the ALiBi form (when it fits the memory budget), else a
+        :class:`DistanceBias` (O(H·L) tables, position checks; per sub-scheme for hybrids)."""
+        s, L = self.scheme, positions.numel()
+        if not cached and s.has_bias and not s.layer_dependent and not is_toeplitz(s, allow_weight=True) \
+                and s.alibi_slopes(0) is None and not s.reference_only \
+                and opts.impl in ("sdpa", "auto") and not self._too_big(L, opts):
+            return s.bias(positions, positions, 0)  # [H, L, L] once for all layers
+        tdt = torch.float64 if self.tok.weight.dtype == torch.float64 else torch.float32
+        return DistanceBias(s, positions.device, tdt)
 
     def check_opts(self, opts: AttnOptions) -> None:
         """A one-line UserError unless ``opts`` fit this model: a per-layer temperature has one tau

@@ -56,6 +56,26 @@ class DistanceBias:
         self._fp: list = []  # parameter fingerprint, computed once per forward
         self._starts: dict = {}  # id(pos) -> (pos, arange_start(pos)); pos kept alive
         self._memo: dict = {}  # per-forward objects the layers share (see memo)
+        self._increasing: dict = {}  # id(pos) -> (pos, strictly increasing?)
+        self._children: dict = {}  # id(sub-scheme) -> DistanceBias (per-layer hybrids, see of)
+
+    def of(self, scheme: PositionalScheme) -> "DistanceBias":
+        """The tables of ``scheme``: this object for its own scheme, else one child per sub-scheme of
+        a per-layer hybrid (``for_layer``), made once per forward and sharing the position memos."""
+        if scheme is self.scheme:
+            return self
+        child = self._children.get(id(scheme))
+        if child is None or child.scheme is not scheme:
+            child = self._children[id(scheme)] = DistanceBias(scheme, self.device, self.dtype)
+            child._starts, child._increasing = self._starts, self._increasing  # position checks only
+        return child
+
+    def increasing(self, pos: torch.Tensor) -> bool:
+        """Strictly increasing positions, memoised (within this forward) like :meth:`starts`."""
+        hit = self._increasing.get(id(pos))
+        if hit is None or hit[0] is not pos:
+            hit = self._increasing[id(pos)] = (pos, pos.numel() < 2 or bool(torch.all(pos[1:] > pos[:-1])))
+        return hit[1]
 
     def memo(self, key, make):
         """``make()`` once per forward for ``key``, shared by every layer: the flex path's block mask

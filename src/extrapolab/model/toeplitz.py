@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .reference import divide_finite
 from .tables import DistanceBias
 
 #: The fused CPU kernel that returns (out, logsumexp), which :class:`HankelSDPA` needs for its
@@ -183,18 +184,25 @@ class HankelSDPA(torch.autograd.Function):
 
 
 def toeplitz_attention(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *, scale: float,
-                       tau: float = 1.0, window: int | None = None, block: int | None = None):
+                       tau: float = 1.0, window: int | None = None, block: int | None = None,
+                       tau_h: torch.Tensor | None = None):
     """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c..; c <= a. Returns [B,H,Lq,D].
 
     ``scale`` multiplies q·k and already carries 1/tau; the bias table is divided by ``tau`` here.
-    ``block``: query rows per fused call (None: one call; the wht path always tiles)."""
+    ``tau_h`` [H|1]: a further per-head temperature (the scheme's), dividing q and the table per
+    head, so the structure stays Toeplitz. ``block``: query rows per fused call (None: one call;
+    the wht path always tiles)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     dmax = a + Lq - 1 - c  # largest distance (last query, first key)
     weighted = db.scheme.has_weight
+    if tau_h is not None:
+        q = q / tau_h.view(1, -1, 1, 1).to(q.dtype)  # [B, H, Lq, D]: q·k / tau_h
     if not db.scheme.has_bias and not weighted and window is None and c + Lk - 1 <= a:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)  # every key visible
     ext, dfin = db.hankel(layer, dmax, Lq + Lk - 1, window, tau, q.dtype)  # [H', Lq+Lk-1]
+    if tau_h is not None:
+        ext = divide_finite(ext, tau_h.view(-1, 1).to(ext.dtype))  # [H, Lq+Lk-1]: b / tau_h (-inf stays -inf)
     wext = db.hankel(layer, dmax, Lq + Lk - 1, dtype=q.dtype, kind="weight")[0] if weighted else None
     if weighted:  # manual tiles: autograd when anything needs a gradient
         learn = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, ext, wext))

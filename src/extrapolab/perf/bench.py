@@ -35,7 +35,6 @@ from ..io import UserError, atomic_write_json
 from ..memory import PeakMemory
 from ..model.attention import AttnOptions, attend, flush_denormals
 from ..model.gpt import GPT, KVCache, ModelConfig
-from ..model.tables import DistanceBias, is_toeplitz
 from ..train.step import autocast, resolve_precision
 from .timing import add_ratios, paired_ratio, provenance, round_robin, timed
 
@@ -43,7 +42,8 @@ BASE = "none"
 DEMO = ModelConfig(vocab_size=4096, layers=4, heads=4, dim=128, scheme=BASE)
 ROUNDS = 9  # paired rounds per row: a median's 95% interval within ±3% on an idle 2-core CPU
 QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64,
-             schemes=("sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich", "windowed"))
+             schemes=("sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich", "windowed",
+                      "fox", "hybrid", "nope-headscale", "cope"))
 
 
 def preset_settings(name: str) -> dict:
@@ -112,31 +112,34 @@ def _model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
     return GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params))).to(ctx.device)
 
 
-def _shared_bias(model: GPT, pos: torch.Tensor, opts: AttnOptions):
-    """The bias object GPT.forward builds once per forward and shares across layers."""
-    scheme = model.scheme
-    if is_toeplitz(scheme, allow_weight=True) and opts.impl != "plain":
-        return DistanceBias(scheme, pos.device, torch.float32)
-    if scheme.has_bias and not scheme.layer_dependent and not model._too_big(len(pos), opts):
-        return scheme.bias(pos, pos, 0)  # [H, L, L]
-    return None
-
-
 def attention_only(model: GPT, B: int, L: int, grad: bool) -> Callable[[], None]:
-    """Bias tables + every layer's attention on fixed q, k, v (no projections, MLP or vocabulary)."""
+    """Bias tables + every layer's attention on fixed q, k, v (no projections, MLP or vocabulary);
+    a scheme with positions from content (FoX) computes them from a fixed layer input, inside."""
     cfg, dev = model.cfg, model.tok.weight.device
     g = torch.Generator().manual_seed(L)
     qkv = [torch.randn(B, cfg.heads, L, cfg.dim // cfg.heads, generator=g).to(dev).requires_grad_(grad)
            for _ in range(3)]  # q, k, v: [B, H, L, D]
+    hidden = torch.randn(B, L, cfg.dim, generator=g).to(dev)  # [B, L, C] the layers' input
     pos, opts = torch.arange(L, device=dev), AttnOptions(impl="auto")
 
     def run() -> None:
         with torch.set_grad_enabled(grad):
-            bias = _shared_bias(model, pos, opts)
-            total = sum(attend(*qkv, pos, pos, model.scheme, i, opts, bias)[0].sum() for i in range(cfg.layers))
+            bias = model.shared_bias(pos, opts)
+            total = 0.0
+            for i in range(cfg.layers):
+                s = model.scheme.for_layer(i)
+                p = s.content_positions(hidden, i) if s.has_content else None
+                total = total + attend(*qkv, pos, pos, s, i, opts, bias,
+                                       content=None if p is None else (p, p))[0].sum()
             if grad:
                 total.backward()
     return run
+
+
+def unfused_reason(model: GPT) -> str:
+    """Why no fused kernel runs a scheme ('' when one does): its score-level hooks' reason."""
+    reasons = {model.scheme.for_layer(i).reference_only for i in range(model.cfg.layers)} - {""}
+    return "; ".join(sorted(reasons))
 
 
 def window_limited(model: GPT, L: int) -> bool:
@@ -192,6 +195,9 @@ def bench_train(ctx: Context) -> dict:
             rows[s.label] = {"scheme": s.name, "batch": B, **prov, "peak_mib": mem.mib,
                              "params": sum(p.numel() for p in models[s.label].parameters()),
                              **{p: times[(s.label, p)] for p in parts}}
+            why = unfused_reason(models[s.label])
+            if why:  # no fused kernel: the bench says why
+                rows[s.label]["unfused"] = why
         add_ratios(rows, BASE, parts)
         out[str(L)] = rows
         del models, jobs
@@ -222,13 +228,14 @@ def bench_long(ctx: Context) -> dict:
                 fwd()
             attn()
             jobs[(s.label, "fwd_s")], jobs[(s.label, "attn_s")] = fwd, attn
-            mems[s.label] = (mem.mib, mem.abs_mib, window_limited(m, L))
+            mems[s.label] = (mem.mib, mem.abs_mib, window_limited(m, L), unfused_reason(m))
         ctx.say(f"long L={L}: {len(mems)} schemes x {rounds} rotated rounds")
         times = round_robin(jobs, rounds, ctx.device)
         prov = ctx.prov(L=L, batch=1, group="long")
-        for label, (mib, abs_mib, sparse) in mems.items():
+        for label, (mib, abs_mib, sparse, why) in mems.items():
             rows[label] = {**prov, "peak_mib": mib, "peak_abs_mib": abs_mib, "sparse": sparse,
-                           "fwd_s": times[(label, "fwd_s")], "attn_s": times[(label, "attn_s")]}
+                           "fwd_s": times[(label, "fwd_s")], "attn_s": times[(label, "attn_s")],
+                           **({"unfused": why} if why else {})}
         if BASE in mems:
             add_ratios({k: r for k, r in rows.items() if "skipped" not in r}, BASE, ("fwd_s", "attn_s"))
         out[str(L)] = {s.label: rows[s.label] for s in ctx.specs}

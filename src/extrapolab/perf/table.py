@@ -13,7 +13,10 @@ from .timing import TOLERANCE, fmt_ratio
 
 #: the speed goals of the cost table: train step / NoPE at L_tr = 512, 2 threads, >= 7 rounds
 GOAL_L, GOAL_THREADS, GOAL_ROUNDS = 512, 2, 7
-GOAL_LIMITS = {"parameter-free and rotary": 1.10, "T5 and KERPLE": 1.20}
+GOAL_LIMITS = {"parameter-free and rotary": 1.10, "T5 and KERPLE": 1.20, "learned temperature": 1.10,
+               "positions from content": 1.30, "score-level (reference path)": 3.0}
+#: long-context forward goals: group -> (L, limit on forward / NoPE)
+LONG_GOALS = {"positions from content": (4096, 1.5)}
 
 
 def _ms(times: list[float]) -> float:
@@ -26,7 +29,14 @@ def goal_group(name: str) -> str | None:
         return None
     if name == "t5" or name.startswith("kerple"):
         return "T5 and KERPLE"
-    return None if positional.build(name, num_heads=2).learnable else "parameter-free and rotary"
+    s = positional.build(name, num_heads=2)
+    if s.reference_only:
+        return "score-level (reference path)"
+    if s.has_content:
+        return "positions from content"
+    if s.learnable and not s.has_bias and s.kind in ("none", "hybrid"):
+        return "learned temperature"  # e.g. NoPE head scale: still the fused causal kernel
+    return None if s.learnable else "parameter-free and rotary"
 
 
 def check_goals(result: dict) -> list[str]:
@@ -50,7 +60,26 @@ def check_goals(result: dict) -> list[str]:
         if cells:
             out.append(f"goal {group} <= {limit:.2f}x NoPE per train step at L_tr = {GOAL_L}: "
                        f"{'met' if ok else 'NOT met'} ({', '.join(cells)}){where}")
+    for group, (L, limit) in LONG_GOALS.items():
+        cells, ok = [], True
+        for label, r in ((result.get("long") or {}).get(str(L)) or {}).items():
+            ratio = r.get("fwd_s_ratio")
+            name = next((x for x in positional.names() if x == label), None)
+            if ratio is None or name is None or goal_group(name) != group:
+                continue
+            hit = ratio["median"] <= limit
+            ok &= hit
+            cells.append(f"{label} {ratio['median']:.2f}{'' if hit else ' MISSED'}{'' if ratio['stable'] else ' ~'}")
+        if cells:
+            out.append(f"goal {group} <= {limit:.2f}x NoPE per forward at L = {L}: "
+                       f"{'met' if ok else 'NOT met'} ({', '.join(cells)})")
     return out
+
+
+def _unfused(rows: dict) -> list[str]:
+    """One line per scheme that no fused kernel runs, with the reason (its score-level hooks)."""
+    notes = [f"- {s}: reference path, no fused kernel: {r['unfused']}" for s, r in rows.items() if r.get("unfused")]
+    return [""] + notes if notes else []
 
 
 def _train(L: str, rows: dict) -> list[str]:
@@ -62,7 +91,7 @@ def _train(L: str, rows: dict) -> list[str]:
                      + (f"{_ms(r['fwd_s']):.1f} | {fmt_ratio(r.get('fwd_s_ratio'))} | " if "fwd_s" in r else "— | — | ")
                      + (f"{_ms(r['attn_s']):.1f} | {fmt_ratio(r.get('attn_s_ratio'))} | " if "attn_s" in r else "— | — | ")
                      + f"{r['peak_mib']:.0f} | {r['params']:,} |")
-    return lines
+    return lines + _unfused(rows)
 
 
 def _long(L: str, rows: dict) -> list[str]:
@@ -77,7 +106,7 @@ def _long(L: str, rows: dict) -> list[str]:
         lines.append(f"| {name} | {_ms(r['fwd_s']) / 1e3:.3f} | {fmt_ratio(r.get('fwd_s_ratio'))} | "
                      f"{_ms(r['attn_s']) / 1e3:.3f} | {fmt_ratio(r.get('attn_s_ratio'))} | "
                      f"{r['peak_mib']:.0f} | {r['peak_abs_mib']:.0f} |")
-    return lines
+    return lines + _unfused(rows)
 
 
 def format_generation(gen: dict) -> list[str]:

@@ -2,7 +2,7 @@
 
 Adding a scheme = one file in this package + one import line below.
 """
-from .base import PositionalScheme, RelativeBias, SchemeError, causal_distance
+from .base import PositionalScheme, RelativeBias, SchemeError, ScoreBlock, causal_distance
 from .registry import REGISTRY, build, names, register, register_callable, scheme_params
 
 from . import none  # noqa: F401
@@ -27,8 +27,12 @@ from . import smoothed_sandwich  # noqa: F401
 from . import qin  # noqa: F401
 from . import sliding_dilated  # noqa: F401
 from . import custom  # noqa: F401
+from . import fox  # noqa: F401  positions from content: the Forgetting Transformer's gate
+from . import headscale  # noqa: F401  NoPE with a learned temperature per head
+from . import hybrid  # noqa: F401  a scheme per layer: RoPE/NoPE hybrids
+from . import cope  # noqa: F401  score-level hook: contextual positions
 
 __all__ = [
-    "PositionalScheme", "RelativeBias", "SchemeError", "causal_distance",
+    "PositionalScheme", "RelativeBias", "SchemeError", "ScoreBlock", "causal_distance",
     "REGISTRY", "build", "names", "register", "register_callable", "scheme_params",
 ]

@@ -4,7 +4,8 @@ bias = -slope_h · k. Default slopes follow the official ALiBi code: a geometric
 2^(-8/n)·(2^(-8/n))^i for a power of two n; for other n, the closest power of two c gives the
 first c slopes and every other slope of the 2c series supplies the remaining n - c.
 Options: ``shift`` Δ multiplies every slope by 2^-Δ (slope 1/2^(h+Δ), Sandwich §4.1);
-``equal_exponent`` h0 gives every head slope 1/2^h0 (Sandwich §4.2).
+``equal_exponent`` h0 gives every head slope 1/2^h0 (Sandwich §4.2). The bias has the ALiBi form
+-slope_h·(m - n) at any positions (``alibi_slopes``), so positions with gaps stay on a fused path.
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ class ALiBi(RelativeBias):
     def bias_from_distance(self, dist, layer=0):
         d = dist.to(torch.float64)
         return -self.slopes.to(d.device).reshape(-1, *([1] * d.dim())) * d  # [H, ...]
+
+    def alibi_slopes(self, layer=0):
+        """The ALiBi form itself: attention folds -slope_h·(m - n) into the fused kernel at any
+        positions (model/folded.py), e.g. randomized positions with gaps."""
+        return self.slopes  # [H] float64
 
     def options(self):
         return {"shift": self.shift, "equal_exponent": self.equal_exponent}

@@ -1,11 +1,22 @@
-"""The one interface every positional scheme implements (docs/architecture.md).
+"""The one interface every positional scheme implements (docs/architecture.md, docs/attention.md).
 
-A scheme is an ``nn.Module`` with three hooks, each a no-op by default:
+A scheme is an ``nn.Module`` whose hooks are all no-ops by default; attention
+(``model/attention.py``) asks for each one at its place in the one order of operations:
 
 * ``embed(positions, dim)``      -> [L, dim] added to the token embeddings (absolute schemes), or None
 * ``rotate(q, k, q_pos, k_pos)`` -> (q, k) rotated per position (rotary), identity by default
 * ``bias(q_pos, k_pos, layer)``  -> [H, Lq, Lk] additive bias on the *scaled* logits
                                     q·k/sqrt(d_head), ``-inf`` where masked, or None
+* ``alibi_slopes(layer)``        -> [H] when the whole bias has the ALiBi form -slope_h·(p_m - p_n),
+                                    p the token positions (ALiBi) or the content positions below
+* ``content_positions(x, layer, past)`` -> p [B, H, L] from the layer's attention input x (FoX's
+                                    forget gate); ``past`` [B, H] continues a KV cache
+* ``temperature(q_pos, layer)``  -> tau [H|1, Lq|1] dividing the whole logit (per head, per query),
+                                    times ``AttnOptions.temperature``; or None
+* ``scores(logits, block)``      -> logits of a query block, seeing whole rows and all heads
+                                    (CoPE, DAPE); reference path only
+* ``normalize(logits, block)``   -> attention weights replacing softmax (stick-breaking), or None
+* ``for_layer(layer)``           -> the scheme a layer uses (per-layer hybrids); ``self`` by default
 
 Relative schemes (bias depends only on the distance k = m - n >= 0) subclass
 :class:`RelativeBias` and implement only ``bias_from_distance(dist, layer)``; the base class
@@ -19,6 +30,7 @@ plain/blocked path (``has_weight``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -29,10 +41,31 @@ class SchemeError(ValueError):
     """Bad scheme name or parameter; the message is one line that names the fix."""
 
 
+@dataclass
+class ScoreBlock:
+    """What the score-level hooks (``scores``, ``normalize``) see of one query block, on the
+    reference path: rotated q [B, H, bq, D] and k [B, H, bk, D] at positions q_pos [bq], k_pos [bk]
+    (every key the block's rows may see, in order), ``qk`` = q·k / sqrt(d_head) (times a "wht"
+    kernel; every entry finite), ``bias`` the scheme's additive term [H|1, bq, bk] with 0 where not
+    visible (None without a bias), ``visible`` [bq, bk] the causal/window mask (True = visible),
+    ``layer`` the layer index. Keys beyond ``visible`` are future or out-of-window tokens: a hook must
+    not read them (the contract tests check that a prefix gives the same output as the whole)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+    qk: torch.Tensor
+    bias: torch.Tensor | None
+    visible: torch.Tensor
+    layer: int
+
+
 class PositionalScheme(nn.Module):
     #: registry id, e.g. "alibi"
     name: ClassVar[str] = "base"
-    #: "none" | "absolute" | "rotary" | "bias"
+    #: "none" | "absolute" | "rotary" | "bias" | "content" (positions from the layer input, FoX) |
+    #: "score" (score-level hooks: CoPE, DAPE, stick-breaking) | "hybrid" (a scheme per layer)
     kind: ClassVar[str] = "none"
     #: spec row and paper/equation
     paper: ClassVar[str] = ""
@@ -44,6 +77,14 @@ class PositionalScheme(nn.Module):
     layer_dependent: ClassVar[bool] = False
     #: q·k is multiplied by a positional kernel (KERPLE wht variants)
     has_weight: ClassVar[bool] = False
+    #: ``content_positions`` returns positions computed from the layer input (FoX)
+    has_content: ClassVar[bool] = False
+    #: non-empty for schemes with score-level hooks: why no fused kernel can run them (shown by
+    #: ``extrapolab bench``); attention then always takes the reference path, in query blocks
+    reference_only: ClassVar[str] = ""
+    #: non-empty when the theoretical receptive field (Qin et al. 2024, eq. 22) has no formula for
+    #: this scheme, saying why (analysis/theory.py reports it instead of a verdict)
+    no_trf: ClassVar[str] = ""
 
     def __init__(self, num_heads: int, **_: object) -> None:
         super().__init__()
@@ -86,6 +127,41 @@ class PositionalScheme(nn.Module):
         schemes (Self-Extend, ReRoPE; positional/rope_twopass.py) return ``(w, far)``: keys at
         distance m - n >= w are scored with ``far(q, k, q_pos, k_pos)``, the rotated q, k moved to
         the scheme's far positions, instead of q, k (model/twopass.py, docs/attention.md)."""
+        return None
+
+    def for_layer(self, layer: int) -> "PositionalScheme":
+        """The scheme layer ``layer`` attends with: ``self``, except for per-layer hybrids. Resolved
+        in one place per layer (``Block.forward``, ``attend``); the result's own ``for_layer`` is itself."""
+        return self
+
+    def alibi_slopes(self, layer: int = 0) -> torch.Tensor | None:
+        """[H] float64 when this layer's whole additive term is -slope_h·(p_m - p_n) (ALiBi form),
+        with p the token positions or, for ``has_content`` schemes, ``content_positions``; else None.
+        Attention then folds the key term into one extra head dimension (docs/attention.md), exact
+        at any positions, gaps and random draws included."""
+        return None
+
+    def content_positions(self, x: torch.Tensor, layer: int = 0,
+                          past: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Positions from content: x [B, L, C] (the layer's attention input) -> p [B, H, L] float64,
+        non-decreasing along the sequence; ``past`` [B, H] is the position of the last cached key
+        (a KV cache continues from it). Only ``has_content`` schemes return a tensor."""
+        return None
+
+    def temperature(self, q_pos: torch.Tensor, layer: int = 0) -> torch.Tensor | None:
+        """tau [H|1, Lq|1] (> 0) dividing the whole logit of each head and query position, on top of
+        ``AttnOptions.temperature``; None for 1. Per head only ([H, 1]) keeps every fast path."""
+        return None
+
+    def scores(self, logits: torch.Tensor, block: ScoreBlock) -> torch.Tensor:
+        """Score-level hook: logits [B, H, bq, bk] of a query block (scaled q·k, bias, -inf masked)
+        -> new logits of the same shape; sees whole rows and all heads. Masked entries stay -inf
+        whatever it returns. Only ``reference_only`` schemes override it."""
+        return logits
+
+    def normalize(self, logits: torch.Tensor, block: ScoreBlock) -> torch.Tensor | None:
+        """Attention weights [B, H, bq, bk] from the logits after the temperature, replacing softmax
+        (stick-breaking); None keeps softmax. Weights of masked keys must be 0."""
         return None
 
     # ---- metadata ----------------------------------------------------------------------

@@ -1,0 +1,170 @@
+"""The folded path (model/folded.py, docs/attention.md): ALiBi-form biases -s_h·(p_m - p_n) as one
+extra head dimension of the fused causal kernel, at positions with gaps (randomized positions) and
+with positions from content (FoX), against an independent dense formula written here; forward,
+gradients (to q, k, v and to p), windows, temperatures, queries after a KV cache, 16-bit kernels,
+the flash kernel running, and no L x L tensor at 8k tokens."""
+import math
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from extrapolab import positional
+from extrapolab.memory import PeakMemory
+from extrapolab.model import attention as attn_mod
+from extrapolab.model.attention import AttnOptions, attend
+from extrapolab.model.gpt import GPT, ModelConfig
+
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+MATH = "aten::_scaled_dot_product_attention_math"
+
+
+def _dense(q, k, v, q_pos, k_pos, slopes, pq, pk, window=None, tau=1.0, tau_rows=None):
+    """softmax((q·k/sqrt(d) - s_h·(p_m - p_n)) / (tau·tau_m)) v, masked causally (and by window) by
+    token position: the formula, computed densely in the inputs' dtype."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # [B, H, Lq, Lk]
+    s = s - slopes.view(1, -1, 1, 1).to(s.dtype) * (pq[..., :, None] - pk[..., None, :]).to(s.dtype)
+    dist = q_pos[:, None] - k_pos[None]
+    bad = (dist < 0) | ((dist >= window) if window else torch.zeros_like(dist, dtype=torch.bool))
+    s = s.masked_fill(bad, -math.inf) / tau
+    if tau_rows is not None:
+        s = s / tau_rows[..., None].to(s.dtype)
+    return torch.softmax(s, -1) @ v
+
+
+def _qkv(B, H, Lq, Lk, D, seed=0, dtype=torch.float64, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=dtype)
+    k, v = (torch.randn(B, H, Lk, D, generator=g, dtype=dtype) for _ in range(2))
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def _spy_paths(monkeypatch):
+    seen = []
+    real = attn_mod.select_path
+    monkeypatch.setattr(attn_mod, "select_path", lambda *a, **kw: seen.append(real(*a, **kw)[0]) or real(*a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 60}, {"temperature": 0.7}, {"impl": "blocked", "block_size": 9},
+                                {"impl": "sdpa", "window": 25, "temperature": 1.3}])
+def test_alibi_at_random_positions_folds_into_the_fused_kernel(kw, monkeypatch):
+    """Sorted positions with gaps (Ruoss et al. 2023's randomized positions): ALiBi leaves the dense
+    fallback for the folded path; output and gradients equal the formula."""
+    s = positional.build("alibi", num_heads=3)
+    g = torch.Generator().manual_seed(1)
+    pos = torch.randperm(400, generator=g)[:50].sort().values  # [50] increasing, with gaps
+    q, k, v = _qkv(2, 3, 50, 50, 8)
+    seen = _spy_paths(monkeypatch)
+    out, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(**kw))
+    assert seen == ["folded"]
+    p = pos.double().view(1, 1, -1)
+    ref = _dense(q, k, v, pos, pos, s.slopes, p, p, kw.get("window"), kw.get("temperature", 1.0))
+    go = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    want = torch.autograd.grad(ref, (q, k, v), go)
+    assert (out - ref).abs().max() < 1e-12
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() < 1e-10
+
+
+def test_content_positions_fold_with_gradients_to_p_and_cached_queries():
+    """Positions from content [B, H, L] (any non-decreasing p, as FoX's -cumsum(log f)): forward and
+    gradients w.r.t. q, k, v and p equal the formula, for a whole sequence (one is_causal call), in
+    blocks of 7 rows, and for the last 9 queries over every key (a KV cache)."""
+    s = positional.build("fox", num_heads=3, dim=8, layers=1)
+    q, k, v = _qkv(2, 3, 40, 40, 8, seed=2)
+    g = torch.Generator().manual_seed(3)
+    p = torch.rand(2, 3, 40, generator=g, dtype=torch.float64).mul(2.0).cumsum(-1).requires_grad_()
+    pos = torch.arange(40)
+    ones = torch.ones(3, dtype=torch.float64)
+    for impl, bs, rows in (("auto", 1024, slice(None)), ("blocked", 7, slice(None)), ("auto", 1024, slice(31, 40))):
+        qr, pq = q[:, :, rows], p[..., rows]
+        out, _ = attend(qr, k, v, pos[rows], pos, s, 0, AttnOptions(impl=impl, block_size=bs), content=(pq, p))
+        ref = _dense(qr, k, v, pos[rows], pos, ones, pq, p)
+        go = torch.randn_like(ref)
+        got = torch.autograd.grad(out, (q, k, v, p), go)
+        want = torch.autograd.grad(ref, (q, k, v, p), go)
+        assert (out - ref).abs().max() < 1e-12, impl
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() < 1e-10, (impl, rows)
+
+
+def test_long_content_positions_stay_exact_by_recentring_and_never_build_LxL():
+    """3,000 tokens of FoX-like positions growing ~0.7 per token (a gate near 0.5, the steepest a
+    FoX model starts with): one fused call re-centred per group of 512 queries agrees with the fp64
+    formula to fp32 rounding of numbers up to ~180·sqrt(d); 8k tokens stay O(L) memory."""
+    s = positional.build("fox", num_heads=2, dim=8, layers=1)
+    L = 3000
+    q, k, v = _qkv(1, 2, L, L, 16, seed=4, dtype=torch.float32, grad=False)
+    p = torch.rand(1, 2, L, generator=torch.Generator().manual_seed(5), dtype=torch.float64).mul(1.4).cumsum(-1)
+    pos = torch.arange(L)
+    with torch.no_grad():
+        out, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(), content=(p, p))
+        ref = _dense(q.double(), k.double(), v.double(), pos, pos, torch.ones(2, dtype=torch.float64), p, p)
+    assert (out.double() - ref).abs().max() < 5e-5
+    L = 8192  # one [H, L, L] fp32 bias would be 512 MiB
+    q, k, v = _qkv(1, 2, L, L, 16, seed=6, dtype=torch.float32, grad=False)
+    p = torch.rand(1, 2, L, dtype=torch.float64).cumsum(-1)
+    pos = torch.arange(L)
+    with torch.no_grad(), PeakMemory() as mem:
+        attend(q, k, v, pos, pos, s, 0, AttnOptions(), content=(p, p))
+    assert mem.mib < 96, mem.mib
+
+
+def test_bf16_kernel_keeps_the_bias_to_16_more_bits():
+    """Under bf16 autocast the key column is split hi + lo: positions of a fast gate (range ~350
+    over 512 tokens) leave the output within bf16's own error of the fp64 formula, while one bf16
+    column would round the bias near the diagonal by up to ~1 nat."""
+    s = positional.build("fox", num_heads=2, dim=8, layers=1)
+    q, k, v = _qkv(1, 2, 512, 512, 16, seed=7, dtype=torch.float32, grad=False)
+    p = (0.69 + 0.01 * torch.rand(1, 2, 512, generator=torch.Generator().manual_seed(8), dtype=torch.float64)).cumsum(-1)
+    pos = torch.arange(512)
+    qb, kb, vb = (t.bfloat16().double() for t in (q, k, v))  # the inputs as the bf16 kernel sees them
+    ref = _dense(qb, kb, vb, pos, pos, torch.ones(2, dtype=torch.float64), p, p)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(), content=(p, p))
+        coarse = _dense(q, k, v, pos, pos, torch.ones(2), p.bfloat16().float(), p.bfloat16().float())
+    err = (out.double() - ref).abs().max().item()
+    assert err < 0.03, err  # bf16 output rounding
+    assert (coarse.double() - ref).abs().max().item() > 3 * err  # what a single 16-bit column would cost
+
+
+@pytest.mark.parametrize("name", ["fox", "alibi"])
+def test_folded_training_runs_the_fused_flash_kernel_forward_and_backward(name):
+    """A train step of a FoX model, and of ALiBi at randomized positions, runs the CPU flash kernel
+    (forward and backward), never the math fallback."""
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(scheme=name, vocab_size=50, dim=32, heads=4, layers=2, train_length=512))
+    idx = torch.randint(0, 50, (2, 128), generator=torch.Generator().manual_seed(2))
+    pos = None if name == "fox" else torch.randperm(512)[:128].sort().values
+    with profile() as prof:
+        m(idx, positions=pos).float().square().mean().backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert FLASH in ops and FLASH + "_backward" in ops and MATH not in ops, sorted(o for o in ops if "dot" in o)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["fox", "alibi"])
+def test_cuda_folded_forward_and_gradients_equal_plain(name, dtype):
+    """On CUDA the fold pads the head size to a multiple of 8 (flash kernels) and, in bf16, splits the
+    key column hi + lo: a FoX model, and ALiBi at randomized positions, at head size 64 agree with the
+    plain path in fp32 (forward and gradients), within bf16 rounding under autocast."""
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=256, heads=4, layers=2, train_length=512,
+                        init_std=0.05)).cuda()
+    idx = torch.randint(0, 64, (2, 300), device="cuda")
+    pos = None if name == "fox" else torch.randperm(2000, device="cuda")[:300].sort().values
+    grads, outs = {}, {}
+    for impl in ("plain", "auto"):
+        m.zero_grad()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            out = m(idx, positions=pos, opts=AttnOptions(impl=impl)).float()
+        out.square().mean().backward()
+        outs[impl] = out.detach()
+        grads[impl] = {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    assert (outs["auto"] - outs["plain"]).abs().max() < tol * outs["plain"].abs().max()
+    for n, g in grads["plain"].items():
+        assert (grads["auto"][n] - g).abs().max() <= 10 * tol * g.abs().max() + 1e-6, n
