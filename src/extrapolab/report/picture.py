@@ -41,6 +41,9 @@ class Claim:
 
 
 ALIBI = "Press et al. 2022 (ALiBi)"
+COPE, COPE_SETTING = ("Golovneva et al. 2024 (CoPE) §4, language/code modeling",
+                      "WikiText-103 / code, small models, test at longer contexts than training")
+DAPE, DAPE_SETTING = "Zheng et al. 2024 (DAPE) §4, Arxiv/Books3", "Arxiv/Books3, 125M params, L_tr 128/512, eval to 8192"
 #: the papers' claims; a scheme added to the zoo adds its claims here, one entry each
 CLAIMS: tuple[Claim, ...] = (
     Claim("sinusoidal", "fails", "fails beyond L_tr", f"{ALIBI} §2, Fig. 1", setting="WikiText-103, L_tr 512/1024"),
@@ -55,30 +58,25 @@ CLAIMS: tuple[Claim, ...] = (
           "kerple-log", setting="C4, base/large models, L_tr 2048, eval to 8192"),
     Claim("fox", "flatter", "flat where RoPE rises", "Lin et al. 2025 (Forgetting Transformer) §4.2, Fig. 2",
           "rotary", setting="LongCrawl64, 760M params, L_tr 4k (16k), eval to 64k"),
-    Claim("xpos", "flatter", "more stable than RoPE beyond L_tr (paper: with BCA; this row without)",
+    Claim("xpos", "flatter", "more stable than RoPE beyond L_tr; the paper pairs it with BCA (next row)",
           "Sun et al. 2023 (xPos) §4, Table 2 and its BCA ablation", "rotary",
           setting="arXiv, 1.3B params, L_tr 1024, eval to 4096"),
-    Claim("xpos+bca", "flatter", "more stable than RoPE beyond L_tr (xPos + blockwise causal attention)",
+    Claim("xpos+bca", "flatter", "xPos with blockwise causal attention more stable than RoPE beyond L_tr",
           "Sun et al. 2023 (xPos) §3.3-4, Table 2", "rotary", setting="arXiv, 1.3B params, L_tr 1024, eval to 4096"),
     Claim("rotary+random", "below", "randomized positions beat plain RoPE beyond L_tr",
           "Ruoss et al. 2023 Table 1", "rotary", setting="algorithmic tasks (no language modeling), L_tr 40, test 41-500"),
     Claim("hybrid", "below", "NoPE every k-th layer beats RoPE beyond L_tr", "Yang et al. 2025 §4-5", "rotary",
           setting="8B models, NIAH/RULER retrieval to 256k (not perplexity)"),
-    Claim("cope", "below", "beats RoPE beyond L_tr", "Golovneva et al. 2024 (CoPE) §5", "rotary",
-          setting="WikiText-103 / code, small models, test at longer contexts than training"),
-    Claim("cope", "below", "beats NoPE beyond L_tr", "Golovneva et al. 2024 (CoPE) §5", "none",
-          setting="WikiText-103 / code, small models, test at longer contexts than training"),
+    Claim("cope", "below", "beats RoPE beyond L_tr", COPE, "rotary", setting=COPE_SETTING),
+    Claim("cope", "below", "beats NoPE beyond L_tr", COPE, "none", setting=COPE_SETTING),
     Claim("nope-headscale", "below", "head-scale NoPE beats NoPE beyond L_tr (scales tuned at the target length)",
           "Wang et al. 2024 §3-4", "none", setting="TinyLlama-1.1B NoPE, L_tr 2k, tuned and tested to 18k (PG19)"),
     Claim("stick-breaking", "below", "stick-breaking beats softmax + RoPE beyond L_tr",
           "Tan et al. 2025 (stick-breaking) §4, length generalisation", "rotary",
           setting="350M-1B params, L_tr 2^11, eval to 2^14"),
-    Claim("dape-alibi", "below", "DAPE beats its base beyond L_tr", "Zheng et al. 2024 (DAPE) §5", "alibi",
-          setting="Arxiv/Books3, 125M params, L_tr 128/512, eval to 8192"),
-    Claim("dape-kerple", "below", "DAPE beats its base beyond L_tr", "Zheng et al. 2024 (DAPE) §5", "kerple-log",
-          setting="Arxiv/Books3, 125M params, L_tr 128/512, eval to 8192"),
-    Claim("dape-fire", "below", "DAPE beats its base beyond L_tr", "Zheng et al. 2024 (DAPE) §5", "fire",
-          setting="Arxiv/Books3, 125M params, L_tr 128/512, eval to 8192"),
+    Claim("dape-alibi", "below", "DAPE beats its base beyond L_tr", DAPE, "alibi", setting=DAPE_SETTING),
+    Claim("dape-kerple", "below", "DAPE beats its base beyond L_tr", DAPE, "kerple-log", setting=DAPE_SETTING),
+    Claim("dape-fire", "below", "DAPE beats its base beyond L_tr", DAPE, "fire", setting=DAPE_SETTING),
 )
 
 

@@ -3,9 +3,10 @@ its source entry's finished run of the same dataset and seed instead of training
 
 * no step: the source's model itself, evaluated with the entry's own ``eval:`` overrides (e.g. xPos
   with blockwise causal attention at test time, Sun et al. 2023 §3.3: ``eval: {bca: true}``);
-* ``head_scale: {length: L, ...}`` (L: the longest eval.lengths unless given): the NoPE head scale of Wang et al. 2024 searched then tuned alone at
-  L on the source's training split (align/head_scale_run.py, the same function as ``extrapolab align
-  head-scale``), written as the entry's run folder and evaluated like any run.
+* ``head_scale: {length: L, ...}`` (L: the longest eval.lengths unless given): the NoPE head scale of
+  Wang et al. 2024 searched then tuned alone at L on the source's training split
+  (align/head_scale_run.py, the same function as ``extrapolab align head-scale``), written as the
+  entry's run folder and evaluated like any run.
 
 The entry's results are recorded under its own label; it has no training curves of its own, and the
 report's cost pass times its source's model only.
