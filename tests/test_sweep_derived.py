@@ -74,7 +74,7 @@ def test_head_scale_entry_tunes_its_source_and_records_what_it_measured(swept):
         "SELECT DISTINCT r.label FROM series s JOIN runs r USING (run_id) WHERE s.protocol='train'").fetchall()
     assert {c for (c,) in curves} == {"none", "xpos"}  # no training curves of their own
     md = (out / "report.md").read_text()
-    row = next(ln for ln in md.splitlines() if ln.startswith("| xpos+bca | more stable than RoPE"))
+    row = next(ln for ln in md.splitlines() if ln.startswith("| xpos+bca | xPos with blockwise causal attention"))
     assert "not checked: no rotary values" in row and row.endswith("| — |")  # no rotary in this sweep
     assert "| nope-headscale(tuned) | head-scale NoPE beats NoPE" in md
 
