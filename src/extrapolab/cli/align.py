@@ -8,6 +8,7 @@
     extrapolab align hf-t5 T5_DIR --text FILE --train-length 512 --lengths 1024,2048
     extrapolab align experiment [--preset align-quick] [--out reports/align]   train + align + measure + report
     extrapolab align rope [--preset rope-quick] [--out reports/rope]   RoPE extensions vs temperature alignment
+    extrapolab align head-scale RUN --length L [--out OUT]  NoPE head scale (Wang et al. 2024) -> a run folder
 """
 from __future__ import annotations
 
@@ -267,6 +268,35 @@ def rope(
     from ..align.rope_study import run_rope_study
 
     _study(run_rope_study, preset, out, set_, device, dtype)
+
+
+@app.command("head-scale")
+@friendly
+def head_scale(
+    run: Path = typer.Argument(..., help="a NoPE run folder (model.scheme=none) made by `extrapolab train`"),
+    length: int = typer.Option(..., "--length", help="target length L (> the run's L_tr): search and tuning at L"),
+    out: Optional[Path] = typer.Option(None, "--out", help="the tuned run folder (default RUN-headscale-L beside RUN)"),
+    grid: str = typer.Option("1.0,1.1,1.2,1.3,1.4,1.5,1.6,1.7,1.8,1.9,2.0", "--grid", help="uniform scales searched"),
+    segments: int = typer.Option(4, "--segments", help="search: segments of L training tokens"),
+    steps: int = typer.Option(200, "--steps", help="tuning steps (the paper's run: 200)"),
+    lr: float = typer.Option(0.1, "--lr", help="tuning learning rate (AdamW, no weight decay)"),
+    min_scale: float = typer.Option(1.0, "--min-scale", help="clamp λ >= this after each step (0: no clamp)"),
+    batch_size: int = typer.Option(1, "--batch-size", help="segments of L per tuning step"),
+    tokens: int = typer.Option(16384, "--tokens", help="E1 tokens scored at L_tr and L before and after"),
+    seed: int = typer.Option(0, "--seed"),
+    which: str = typer.Option("best", "--checkpoint", help="best|last"),
+    device: str = DeviceOpt,
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | auto"),
+):
+    """NoPE head scale: one λ for all heads searched, then λ per head tuned alone at L -> a run folder (resumable)."""
+    from ..align.head_scale_run import HeadScaleSpec, head_scale_run, head_scale_table
+
+    spec = HeadScaleSpec(length=length, grid=_floats(grid), segments=segments, steps=steps, lr=lr,
+                         min_scale=min_scale or None, batch_size=batch_size, seed=seed, ppl_tokens=tokens, which=which)
+    res = head_scale_run(run, spec, out, device=device, dtype=dtype, say=lambda m: typer.echo(m, err=True))
+    typer.echo(head_scale_table(res))
+    typer.echo(f"{'reused' if res['reused'] else 'wrote'} {res['out']} (scheme nope-headscale; "
+               f"`extrapolab eval {res['out']}` evaluates it)")
 
 
 def _study(run, preset: str, out: Optional[Path], set_: Optional[List[str]], device: str, dtype: str) -> None:

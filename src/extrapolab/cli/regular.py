@@ -159,7 +159,8 @@ def table(
     tasks: Optional[str] = typer.Option(None, help="comma list; default: all 12 tasks of Table 6.1"),
     models: Optional[str] = typer.Option(None, help="comma list of rnn,lstm,transformer,regulargpt-C2,"
                                          "regulargpt-C3 (default) and transformer-rope-random,"
-                                         "transformer-alibi-random (randomized positions)"),
+                                         "transformer-alibi-random (randomized positions), transformer-fire; "
+                                         "'modern' = the last three (table.md then adds Ruoss et al. 2023 Table 1)"),
     seeds: int = 3,
     budget: str = typer.Option("quick", help="quick: CPU step caps (3000, transformer 2000, early stop; "
                                "transformer scored on every 5th length 41..500); thesis: Table 6.5 sizes "
@@ -202,6 +203,8 @@ def table(
         return
     res = regular_table(out, tasks, models, seeds, progress, _per_model(run_opt), skip_missing, budget,
                         workers=workers, threads=threads, only=only, **over)
+    for line in res["skipped"]:
+        typer.echo(line, err=True)
     typer.echo((Path(out) / "table.md").read_text())
     typer.echo(f"wrote {out}/table.md, table.json and plots/ ({len(res['tasks'])} tasks)")
 

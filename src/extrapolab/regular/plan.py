@@ -81,7 +81,7 @@ def plan(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "quick"
     wt["probes"] = {}
     if not wt["unknown"] or probe_steps <= 0:
         return wt
-    ts, ms, cells = _grid(tasks, models, only)
+    ts, ms, cells, _ = _grid(tasks, models, only)
     cfgs = _planned(ts, ms, seeds, budget, per_model or {}, overrides, cells)
     for name in wt["unknown"]:
         t, m, s = name.split("/")
@@ -100,9 +100,10 @@ def plan(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "quick"
 
 def plan_lines(wt: dict) -> list[str]:
     """The --plan printout: totals, then one line per probed task x column."""
-    from .table import _hours
+    from .table_md import _hours
 
-    lines = [f"{wt['done']}/{wt['runs']} runs finished ({_hours(wt['measured_s'])} measured); {wt['missing']} missing, "
+    lines = list(wt.get("skipped") or [])
+    lines += [f"{wt['done']}/{wt['runs']} runs finished ({_hours(wt['measured_s'])} measured); {wt['missing']} missing, "
              f"estimated {_hours(wt['estimated_missing_s'])}; projected full table {_hours(wt['projected_total_s'])}"
              + (f" + {len(wt['unknown'])} runs with no estimate" if wt["unknown"] else "")]
     for key, p in wt.get("probes", {}).items():

@@ -11,7 +11,6 @@ stride is given); Max = the best seed, Avg = the mean over seeds (thesis: 3 seed
 """
 from __future__ import annotations
 
-import copy
 import json
 import time
 from dataclasses import asdict
@@ -21,118 +20,15 @@ import numpy as np
 import torch
 
 from ..io import UserError, atomic_write_json, atomic_write_text
+from .columns import (BUDGETS, DEFAULT_MODELS, MODEL_GROUPS, MODEL_SPECS, MODERN_COLUMNS, RANDOM_COLUMNS,  # noqa: F401
+                      available, budget_options, run_config)
 from .erf import erf_for_table, erf_markdown
 from .parallel import cpu_count, job_cost, run_jobs
 from .plots import plot_per_length
+from .reference import THESIS_TABLE_6_1, THESIS_TABLE_6_2  # noqa: F401 - the table's published numbers
+from .table_md import SWEEP_P, _hours, sweep_markdown, table_markdown  # noqa: F401
 from .tasks import BHATTACHARYA, DELETANG, make_task
 from .train import PLACEMENT, RegularRunConfig, evaluate_lengths, load_run, max_position, run, run_placement
-
-#: column -> run options (model kind, its options, learning rate, ...); CPU-sized: the thesis
-#: trains 100k steps at hidden size 256 (Table 6.5), these stop at 3000 (2000 for the O(T²)
-#: transformer) at width 64 / 128; ``BUDGETS["thesis"]`` restores the thesis sizes
-MODEL_SPECS: dict[str, dict] = {
-    "rnn": {"model": "rnn", "model_options": {"hidden": 128}, "lr": 1e-3},
-    "lstm": {"model": "lstm", "model_options": {"hidden": 128}, "lr": 1e-3},
-    "transformer": {"model": "transformer", "model_options": {"scheme": "t5", "layers": 4},
-                    "lr": 3e-4, "steps": 2000},
-    "regulargpt-C2": {"model": "regulargpt", "model_options": {"C": 2}, "lr": 1e-3},
-    "regulargpt-C3": {"model": "regulargpt", "model_options": {"C": 3}, "lr": 1e-3},
-    # the transformer at randomized positions (Ruoss et al. 2023: sorted positions from [0, 2048) per
-    # batch, the official code's noise_max_length), with RoPE or ALiBi; opt-in with --models
-    "transformer-rope-random": {"model": "transformer", "model_options": {"scheme": "rotary", "layers": 4},
-                                "lr": 3e-4, "steps": 2000, "positions": "random:2048"},
-    "transformer-alibi-random": {"model": "transformer", "model_options": {"scheme": "alibi", "layers": 4},
-                                 "lr": 3e-4, "steps": 2000, "positions": "random:2048"},
-}
-RANDOM_COLUMNS = ("transformer-rope-random", "transformer-alibi-random")
-DEFAULT_MODELS = ("rnn", "lstm", "transformer", "regulargpt-C2", "regulargpt-C3")
-
-#: ``regular table --budget``: run options layered on MODEL_SPECS. Keys: "*" (every run), a family
-#: ("deletang" | "bhattacharya"), a column, a task, "column@family" or "column@task", applied in
-#: that order (later wins; model_options are merged key by key).
-#: * quick (default, 1 CPU thread): the MODEL_SPECS step caps (3000; transformer 2000) with early
-#:   stopping at 100% train-length + validation accuracy. The O(T²) transformers are validated at
-#:   length 80 only (81 for odd-only Modular Arithmetic: a preset validation length moves to the
-#:   task's next valid one) and, on the Deletang tasks (test 41..500), scored on every 5th valid test
-#:   length with 64 strings each (41, 46, ..., 496; Modular Arithmetic: 41, 51, ..., 491).
-#: * thesis: Table 6.5 — hidden size 256, 8 heads, batch 128, up to 100,000 steps, Adam lr 3e-4
-#:   (the thesis lists 1e-4/3e-4/5e-4) for the attention models; every test length, 128 strings.
-#:   Meant for a GPU; on one CPU core a single RegularGPT run takes hours.
-BUDGETS: dict[str, dict[str, dict]] = {
-    "quick": {
-        **{c: {"val_lengths": [80], "test_samples": 64} for c in ("transformer", *RANDOM_COLUMNS)},
-        **{f"{c}@deletang": {"test_stride": 5} for c in ("transformer", *RANDOM_COLUMNS)},
-    },
-    "thesis": {
-        "*": {"steps": 100_000},
-        "rnn": {"model_options": {"hidden": 256}},
-        "lstm": {"model_options": {"hidden": 256}},
-        **{c: {"model_options": {"dim": 256, "heads": 8}, "lr": 3e-4}
-           for c in ("transformer", *RANDOM_COLUMNS, "regulargpt-C2", "regulargpt-C3")},
-    },
-}
-
-#: thesis Table 6.1, (Max, Avg) in %; its RNN column is compared with our "rnn" and "lstm"
-THESIS_TABLE_6_1 = {
-    "even_pairs": {"rnn": (100.0, 100.0), "transformer": (99.7, 73.2), "regulargpt-C2": (100.0, 89.3), "regulargpt-C3": (100.0, 96.6)},
-    "modular_arithmetic": {"rnn": (100.0, 100.0), "transformer": (21.9, 20.3), "regulargpt-C2": (96.4, 82.6), "regulargpt-C3": (21.2, 20.5)},
-    "parity": {"rnn": (100.0, 98.9), "transformer": (52.3, 50.1), "regulargpt-C2": (100.0, 100.0), "regulargpt-C3": (100.0, 88.7)},
-    "cycle_navigation": {"rnn": (100.0, 100.0), "transformer": (21.7, 20.6), "regulargpt-C2": (100.0, 100.0), "regulargpt-C3": (100.0, 78.6)},
-    "d2": {"rnn": (100.0, 100.0), "transformer": (100.0, 80.1), "regulargpt-C2": (100.0, 100.0), "regulargpt-C3": (99.8, 96.5)},
-    "d3": {"rnn": (100.0, 100.0), "transformer": (100.0, 77.8), "regulargpt-C2": (100.0, 99.7), "regulargpt-C3": (98.6, 93.0)},
-    "d4": {"rnn": (100.0, 100.0), "transformer": (100.0, 82.6), "regulargpt-C2": (100.0, 98.7), "regulargpt-C3": (97.7, 91.6)},
-    "d12": {"rnn": (100.0, 100.0), "transformer": (100.0, 80.3), "regulargpt-C2": (100.0, 99.8), "regulargpt-C3": (94.1, 90.4)},
-    "tomita3": {"rnn": (100.0, 100.0), "transformer": (100.0, 94.4), "regulargpt-C2": (100.0, 99.7), "regulargpt-C3": (100.0, 99.9)},
-    "tomita4": {"rnn": (100.0, 100.0), "transformer": (100.0, 70.0), "regulargpt-C2": (100.0, 99.8), "regulargpt-C3": (100.0, 99.3)},
-    "tomita5": {"rnn": (100.0, 100.0), "transformer": (74.5, 74.5), "regulargpt-C2": (100.0, 99.8), "regulargpt-C3": (98.2, 84.1)},
-    "tomita6": {"rnn": (100.0, 100.0), "transformer": (50.0, 50.0), "regulargpt-C2": (100.0, 98.5), "regulargpt-C3": (100.0, 65.7)},
-}
-#: thesis Table 6.2 (Parity, P(sigma=1) sweep), same length 40 / extrapolation 41..500, in %
-THESIS_TABLE_6_2 = {
-    "same": {"regulargpt-C2": [100, 100, 100, 100, 100], "rnn": [100, 100, 100, 100, 100],
-             "transformer": [98.4, 99.8, 99.6, 97.8, 77.2]},
-    "extrapolation": {"regulargpt-C2": [100, 100, 100, 100, 100], "rnn": [100, 100, 100, 100, 100],
-                      "transformer": [50.1, 49.7, 50.3, 49.9, 50.0]},
-}
-SWEEP_P = (0.1, 0.3, 0.5, 0.7, 0.9)
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    """``base`` updated by ``extra`` (None values skipped); model_options merged key by key."""
-    out = copy.deepcopy(base)
-    for k, v in extra.items():
-        if v is None:
-            continue
-        if k == "model_options" and isinstance(v, dict):
-            out[k] = {**out.get(k, {}), **v}
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def budget_options(budget: str, task: str, model: str) -> dict:
-    """The run options preset ``budget`` gives (task, model column); see ``BUDGETS``."""
-    if budget not in BUDGETS:
-        raise UserError(f"unknown budget {budget!r}; valid: {', '.join(BUDGETS)}")
-    t = make_task(task)
-    out: dict = {}
-    for key in ("*", t.family, model, task, f"{model}@{t.family}", f"{model}@{task}"):
-        out = _merge(out, BUDGETS[budget].get(key, {}))
-    if "val_lengths" in out:  # a preset length -> the task's first valid length from there (80 -> 81 odd-only)
-        out["val_lengths"] = [t.lengths(int(v), 2 * int(v) + 2)[0] for v in out["val_lengths"]]
-    return out
-
-
-def run_config(task: str, model: str, seed: int, budget: str | None = None, **overrides) -> RegularRunConfig:
-    """MODEL_SPECS[model], then the ``budget`` preset, then ``overrides`` (None values ignored)."""
-    if model not in MODEL_SPECS:
-        raise UserError(f"unknown table model {model!r}; valid: {', '.join(MODEL_SPECS)}")
-    make_task(task)  # validates the name
-    base = {"task": task, **copy.deepcopy(MODEL_SPECS[model]), "seed": seed}
-    if budget is not None:
-        base = _merge(base, budget_options(budget, task, model))
-    return RegularRunConfig.from_dict(_merge(base, overrides))
-
 
 def ensure_run(cfg: RegularRunConfig, run_dir: Path, progress: bool = True, train: bool = True) -> dict | None:
     """Reuse ``run_dir``'s result when it was made by the same config, else train it (or, with
@@ -180,14 +76,31 @@ def parse_cells(only) -> list[tuple[str, str]]:
     return cells
 
 
-def _grid(tasks, models, only) -> tuple[list, list, set | None]:
-    """(tasks, models, cells or None): ``only`` limits the table to those (task, column) cells."""
+def _models(value, default) -> list[str]:
+    """``--models``: comma-separated columns, a shorthand of MODEL_GROUPS among them ("modern")."""
+    out = []
+    for m in _parse_list(value, default):
+        out += [c for c in MODEL_GROUPS.get(m, (m,)) if c not in out]
+    return out
+
+
+def _grid(tasks, models, only) -> tuple[list, list, set | None, list[str]]:
+    """(tasks, models, cells or None, skipped): ``only`` limits the table to those (task, column) cells;
+    a column whose scheme is not registered is dropped with one line in ``skipped``."""
     if only is None:
-        return _parse_list(tasks, DELETANG + BHATTACHARYA), _parse_list(models, DEFAULT_MODELS), None
-    cells = parse_cells(only)
-    ts = _parse_list(tasks, dict.fromkeys(t for t, _ in cells))
-    ms = _parse_list(models, dict.fromkeys(m for _, m in cells))
-    return ts, ms, {c for c in cells if c[0] in ts and c[1] in ms}
+        ts, ms, cells = _parse_list(tasks, DELETANG + BHATTACHARYA), _models(models, DEFAULT_MODELS), None
+    else:
+        cells = parse_cells(only)
+        ts = _parse_list(tasks, dict.fromkeys(t for t, _ in cells))
+        ms = _models(models, dict.fromkeys(m for _, m in cells))
+    unknown = [m for m in ms if m not in MODEL_SPECS]
+    if unknown:
+        raise UserError(f"unknown table model {unknown[0]!r}; valid: {', '.join(MODEL_SPECS)} "
+                        f"(or {', '.join(MODEL_GROUPS)})")
+    ms, skipped = available(ms)
+    if not ms:
+        raise UserError(skipped[0] + "; nothing left to run")
+    return ts, ms, None if cells is None else {c for c in cells if c[0] in ts and c[1] in ms}, skipped
 
 
 #: the cells the quick budget does not reproduce (docs/results/regular-table-6.1.md), for --budget thesis
@@ -224,7 +137,7 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
     t0 = time.perf_counter()
     per_model = per_model or {}
     out = Path(out_dir)
-    tasks, models, cells = _grid(tasks, models, only)
+    tasks, models, cells, skipped = _grid(tasks, models, only)
     if seeds < 1:
         raise UserError(f"seeds must be >= 1, got {seeds}")
     if workers < 1 or threads < 1:
@@ -242,7 +155,7 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
         if found[(t, m, s)] is not None:
             rows.setdefault(t, {}).setdefault(m, []).append(found[(t, m, s)])
     table = {"tasks": {}, "seeds": seeds, "budget": budget, "overrides": overrides, "per_model": per_model,
-             "only": sorted(f"{t}:{m}" for t, m in cells) if cells is not None else None,
+             "only": sorted(f"{t}:{m}" for t, m in cells) if cells is not None else None, "skipped": skipped,
              "wall_time": wall_time(out, tasks, models, seeds, budget, per_model, only=only, **overrides)}
     table["invocation"] = {"trained": len(todo), "reused": len(cfgs) - len(todo), "workers": workers,
                            "threads": threads if workers > 1 else torch.get_num_threads(),
@@ -287,7 +200,7 @@ def wall_time(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "q
     41..500; Bhattacharya: 51..100), else on any task; "unknown" when the column has no run.
     """
     out = Path(out_dir)
-    tasks, models, cells = _grid(tasks, models, only)
+    tasks, models, cells, skipped = _grid(tasks, models, only)
     cfgs = _planned(tasks, models, seeds, budget, per_model or {}, overrides, cells)
     done: dict = {}
     for (t, m, s), cfg in cfgs.items():
@@ -315,76 +228,9 @@ def wall_time(out_dir, tasks=None, models=None, seeds: int = 3, budget: str = "q
             unknown.append(f"{t}/{m}/seed{s}")
     return {"runs": len(cfgs), "done": len(done), "measured_s": measured, "missing": len(cfgs) - len(done),
             "estimated_missing_s": estimated, "projected_total_s": measured + estimated,
-            "unknown": unknown, "per_column": per_column, "budget": budget,
+            "unknown": unknown, "per_column": per_column, "budget": budget, "skipped": skipped,
             "note": "sum of per-run train+eval seconds recorded in result.json (torch threads as "
                     "recorded there); missing runs estimated from finished ones"}
-
-
-def _hours(sec: float) -> str:
-    return f"{sec / 3600:.1f} h" if sec >= 3600 else f"{sec / 60:.0f} min"
-
-
-def _lengths_text(tl: dict, task: str) -> str:
-    lens = make_task(task).lengths(tl["min"], tl["max"])[:: tl["stride"]]
-    shown = ", ".join(str(x) for x in lens[:3]) + (f", ..., {lens[-1]}" if len(lens) > 3 else "")
-    return f"{tl['count']} lengths ({shown}), {tl['samples_per_length']} strings each"
-
-
-def table_markdown(table: dict, models) -> str:
-    head = "| task | " + " | ".join(f"{m} ours | {m} thesis" for m in models) + " |"
-    lines = ["# Table 6.1 — length generalisation on regular languages (Max / Avg accuracy %, over "
-             f"{table['seeds']} seeds)", "",
-             f"Budget `{table.get('budget', 'quick')}` (see `extrapolab regular table --help`). Ours: per "
-             "seed, the mean accuracy over the evaluated test lengths listed below (Max = best seed, "
-             "Avg = mean over seeds; a cell run with fewer seeds says so); thesis: Chi 2024 Table 6.1 "
-             "(its RNN column is shown for both rnn and lstm).", "", head, "|" + "---|" * (1 + 2 * len(models))]
-    for t, entry in table["tasks"].items():
-        cells = []
-        for m in models:
-            e = entry.get(m)
-            ours = f"{e['max']:.1f} / {e['avg']:.1f}" if e else "—"
-            if e and e["seeds"] != table["seeds"]:
-                ours += f" ({e['seeds']} seed{'s' if e['seeds'] > 1 else ''})"
-            th = THESIS_TABLE_6_1.get(t, {}).get("rnn" if m == "lstm" else m)
-            cells += [ours, f"{th[0]:.1f} / {th[1]:.1f}" if th else "—"]
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    lines += ["", "## In-distribution accuracy (mean over the training lengths 1..40 resp. 1..50, Avg over "
-              "seeds, %)", "",
-              "Near chance here means the model did not fit the training lengths (optimisation), "
-              "not a failure to extrapolate.", "",
-              "| task | " + " | ".join(models) + " |", "|" + "---|" * (1 + len(models))]
-    for t, entry in table["tasks"].items():
-        lines.append(f"| {t} | " + " | ".join(f"{entry[m]['train_len_avg']:.1f}" if m in entry else "—"
-                                              for m in models) + " |")
-    lines += ["", "## Test lengths averaged", ""]
-    seen: dict = {}
-    for t, entry in table["tasks"].items():
-        for m in models:
-            if m in entry:
-                seen.setdefault((t, _lengths_text(entry[m]["test_lengths"], t)), []).append(m)
-    for (t, text), ms in seen.items():
-        lines.append(f"- {t} ({', '.join(ms)}): {text}")
-    wt = table.get("wall_time")
-    if wt:
-        lines += ["", "## Wall time", "",
-                  f"Measured compute of the {wt['done']} finished runs (train + eval, recorded per run): "
-                  f"{_hours(wt['measured_s'])}. Missing: {wt['missing']} of {wt['runs']} runs, estimated "
-                  f"{_hours(wt['estimated_missing_s'])} from the finished ones (same column, same task, else "
-                  f"same family). Projected full table ({wt['runs']} runs, one process): "
-                  f"**{_hours(wt['projected_total_s'])}**"
-                  + (f"; no estimate for {len(wt['unknown'])} runs of columns with no finished run."
-                     if wt["unknown"] else "."), "",
-                  "| column | runs done | measured | missing | estimated |", "|---|---|---|---|---|"]
-        for m, c in wt["per_column"].items():
-            lines.append(f"| {m} | {c['done']} | {_hours(c['measured_s'])} | {c['missing']} | "
-                         f"{_hours(c['estimated_s'])} |")
-    inv = table.get("invocation")
-    if inv and inv.get("elapsed_s") is not None:
-        lines += ["", f"This invocation: trained {inv['trained']} runs and reused {inv['reused']} in "
-                  f"**{_hours(inv['elapsed_s'])} wall-clock** ({inv['workers']} worker process"
-                  f"{'es' if inv['workers'] > 1 else ''} x {inv['threads']} torch thread"
-                  f"{'s' if inv['threads'] > 1 else ''}, {inv['cpus']} CPUs visible)."]
-    return "\n".join(lines) + "\n"
 
 
 def sweep_p(out_dir, models=None, seeds: int = 3, ps=SWEEP_P, progress: bool = True,
@@ -423,16 +269,3 @@ def sweep_p(out_dir, models=None, seeds: int = 3, ps=SWEEP_P, progress: bool = T
     atomic_write_json(out / "sweep_p.json", res)
     atomic_write_text(out / "sweep_p.md", sweep_markdown(res))
     return res
-
-
-def sweep_markdown(res: dict) -> str:
-    lines = ["# Table 6.2 — Parity with P(sigma=1) = p (trained at p = 0.5; mean over seeds, %)", "",
-             "| setting | model | " + " | ".join(f"p={p}" for p in res["p"]) + " |",
-             "|---|---|" + "---|" * len(res["p"])]
-    for setting in ("same", "extrapolation"):
-        for m, row in res[setting].items():
-            lines.append(f"| {setting} | {m} (ours) | " + " | ".join(f"{v:.1f}" for v in row) + " |")
-            th = res["thesis"][setting].get(m)
-            if th and list(res["p"]) == list(SWEEP_P):
-                lines.append(f"| {setting} | {m} (thesis) | " + " | ".join(f"{v:.1f}" for v in th) + " |")
-    return "\n".join(lines) + "\n"

@@ -1,7 +1,8 @@
 """Build a sweep's report from its results.sqlite only: tables (md + csv), figures, report.html.
 
 Training curves first (report/curves.py: train and validation loss against step and tokens, seeds as
-a min-max band). Tables follow Sandwich paper Table 3 (mean ± std over seeds, paired two-sided t-test
+a min-max band). After each dataset's first table, the papers' claims checked on its means
+(report/picture.py: "scheme | paper's claim (citation) | this run | shown?"). Tables follow Sandwich paper Table 3 (mean ± std over seeds, paired two-sided t-test
 against a reference scheme, † / *); the cost table follows ALiBi Fig. 2 / thesis Table 3.4; the
 position-wise figure follows thesis Fig. 3.5 (with the windowed@L_tr reference).
 """
@@ -22,7 +23,7 @@ from .db import ResultsDB
 from .html import img_tag, md_table_to_html, page
 from .analysis_section import erf_table, plot_erf_overlay
 from .curves import curves_section
-from .picture import picture_markdown
+from .picture import claims_markdown
 from .plots import plot_ppl_vs_length, plot_positionwise
 
 PROTOCOL_TITLES = {
@@ -135,7 +136,13 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
     for title, png, caption in curves_section(db, meta.get("schemes") or [], figs, out):
         sections.append((title, img_tag(png, png.stem) + f"<p>{html.escape(caption)}</p>"))
         md_parts.append(f"## {title}\n\n![]({png.relative_to(out)})\n\n{caption}\n")
-    for t in ppl_tables(db, meta):
+    tables = ppl_tables(db, meta)
+    means: dict = defaultdict(dict)  # {dataset: {protocol: {label: {L: mean ppl}}}}: the claims' input
+    for t in tables:
+        means[t["dataset"]][t["protocol"]] = {lb: {L: m["mean"] for L, m in byL.items() if m["mean"] is not None}
+                                              for lb, byL in t["means"].items()}
+    pictured = set()
+    for t in tables:
         stem = f"ppl_{t['protocol']}_{t['dataset']}"
         atomic_write_text(out / f"{stem}.md", t["markdown"])
         atomic_write_text(out / f"{stem}.csv", t["csv"])
@@ -144,9 +151,9 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
         sections.append((title, md_table_to_html(t["markdown"]) + img_tag(png, stem)
                          + f"<p>CSV: <code>{stem}.csv</code></p>"))
         md_parts.append(f"## {title}\n\n{t['markdown']}\n![]({png.relative_to(out)})\n")
-        if t["protocol"] == "nonoverlapping":
-            pic = picture_markdown({lb: {L: m["mean"] for L, m in byL.items() if m["mean"] is not None}
-                                    for lb, byL in t["means"].items()}, Ltr)
+        if t["dataset"] not in pictured:  # after each dataset's first table (E1): every protocol's claims
+            pictured.add(t["dataset"])
+            pic = claims_markdown(means[t["dataset"]], Ltr, len(meta.get("seeds") or [0]), meta.get("budget", ""))
             if pic:
                 atomic_write_text(out / f"picture_{t['dataset']}.md", pic)
                 sections.append((f"Does it show the papers' picture? — {t['dataset']}", md_table_to_html(pic)))

@@ -9,13 +9,16 @@ from pathlib import Path
 from .. import config as C
 
 
-def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data) -> tuple[list, list, dict]:
-    """Evaluate a trained run with cfg.eval; flatten to DB rows (scalars, series) + cost extras."""
+def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data, model_dir: Path | None = None) -> tuple[list, list, dict]:
+    """Evaluate a trained run with cfg.eval; flatten to DB rows (scalars, series) + cost extras.
+    ``model_dir``: the run folder whose model to load (a derived entry evaluates its source's model);
+    the results are written into ``run_dir`` either way."""
     from ..eval import evaluate_config
     from ..train import load_model, run_placement
 
     place = run_placement(cfg.train)  # evaluate where (and in the precision) the run trained
-    model, _ = load_model(run_dir, which="best", device=place.device)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    model, _ = load_model(model_dir or run_dir, which="best", device=place.device)
     model.eval()
     tokens = data.split(cfg.eval.split)
     t = time.time()

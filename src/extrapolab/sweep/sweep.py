@@ -13,7 +13,6 @@ import os
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,120 +22,7 @@ from ..io import LockBusy, UserError, is_locked, run_lock, run_lock_path
 from ..report.db import ResultsDB
 from .progress import Monitor
 from .record import curve_series, evaluate_run_dir, flatten_eval
-
-
-@dataclass
-class SchemeSpec:
-    name: str
-    params: dict = field(default_factory=dict)
-    label: str = ""
-    model: dict = field(default_factory=dict)  # model.* overrides of this entry, e.g. {arch: regulargpt, C: 8}
-    train: dict = field(default_factory=dict)  # train.* overrides of this entry, e.g. {positions: random:2048}
-
-    def __post_init__(self):
-        if not self.label:
-            extra = ",".join(f"{k}={v}" for k, v in {**self.params, **self.model, **self.train}.items())
-            self.label = f"{self.name}({extra})" if extra else self.name
-
-
-@dataclass
-class ModelSpec:
-    """A pretrained model listed next to the trained runs (``models:`` in the sweep section)."""
-
-    source: str  # hf:PATH
-    label: str = ""
-    rope: str | None = None
-    train_length: int | None = None
-
-    @classmethod
-    def parse(cls, entry) -> "ModelSpec":
-        d = {"source": entry} if isinstance(entry, str) else dict(entry or {})
-        src = str(d.get("source") or d.get("path") or "")
-        if not src.startswith("hf:"):
-            raise UserError(f"sweep model entry {entry!r} must be hf:PATH or {{source: hf:PATH, label: ..., "
-                            "rope: yarn:4, train_length: ...}}")
-        label = str(d.get("label") or "hf:" + Path(src[3:]).name + (f"+{d['rope']}" if d.get("rope") else ""))
-        return cls(src, label, d.get("rope"), d.get("train_length"))
-
-
-@dataclass
-class SweepSpec:
-    schemes: list[SchemeSpec]
-    seeds: list[int]
-    datasets: list[str]
-    reference: str
-    budget: str = ""
-    workers: int = 1  # runs trained in parallel processes (threads split between them)
-    cost_rounds: int = 7  # paired rounds of the cost bench pass after training
-    models: list[ModelSpec] = field(default_factory=list)  # hf: models evaluated next to the runs
-    #: stop between runs when the next would end past this many seconds of the invocation (0: no
-    #: limit); the same command resumes the rest, so a sweep fits jobs of a short GPU slot
-    time_budget_s: float = 0.0
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SweepSpec":
-        if not isinstance(d, dict) or not d.get("schemes"):
-            raise UserError("sweep config needs a `sweep:` section with a non-empty `schemes:` list")
-        schemes = []
-        for s in d["schemes"]:
-            if isinstance(s, str):
-                schemes.append(SchemeSpec(s))
-            elif isinstance(s, dict) and "name" in s:
-                schemes.append(SchemeSpec(s["name"], dict(s.get("params") or {}), s.get("label", ""),
-                                          dict(s.get("model") or {}), dict(s.get("train") or {})))
-                if "seed" in schemes[-1].train:
-                    raise UserError(f"sweep scheme entry {s['name']!r} sets train.seed; the seeds come from sweep.seeds")
-            else:
-                raise UserError(f"sweep scheme entry {s!r} must be a name or {{name: ..., params: {{...}}, "
-                                "model: {...}, train: {...}}}")
-        labels = [s.label for s in schemes]
-        ref = str(d.get("reference") or labels[0])
-        if ref not in labels:
-            raise UserError(f"sweep reference {ref!r} is not one of the swept schemes: {', '.join(labels)}")
-        seeds = [int(x) for x in d.get("seeds", [0])]
-        datasets = [str(x) for x in d.get("datasets", ["stdlib"])]
-        workers = int(d.get("workers", 1))
-        rounds = int(d.get("cost_rounds", 7))
-        if workers < 1 or rounds < 1:
-            raise UserError(f"sweep.workers and sweep.cost_rounds must be >= 1, got {workers} and {rounds}")
-        models = [ModelSpec.parse(m) for m in d.get("models") or []]
-        budget_s = float(d.get("time_budget_s") or 0)
-        if budget_s < 0 or (budget_s and workers > 1):
-            raise UserError(f"sweep.time_budget_s={budget_s:g} needs a value >= 0 and sweep.workers=1 "
-                            f"(got workers={workers}); pass --set sweep.workers=1 or --set sweep.time_budget_s=0")
-        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, rounds, models, budget_s)
-
-
-def load_sweep(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, SweepSpec]:
-    raw = C.apply_overrides(C.load_preset(name_or_path), overrides or [])
-    spec = SweepSpec.from_dict(raw.get("sweep") or {})
-    base = C.resolve(base=raw)
-    from ..positional import build
-
-    for s in spec.schemes:  # fail fast on unknown schemes/options, before any training
-        entry_config(base, s)  # an entry's model.* overrides (RegularGPT C, K) are checked too
-        params = dict(s.params)
-        if s.name == "learned":
-            params.setdefault("max_length", base.model.train_length)
-        build(s.name, num_heads=base.model.heads, **params)
-    return base, spec
-
-
-def entry_config(base: C.RunConfig, scheme: SchemeSpec) -> C.RunConfig:
-    """``base`` with this entry's scheme, model and train overrides, validated (a copy)."""
-    cfg = copy.deepcopy(base)
-    cfg.model.scheme, cfg.model.scheme_params = scheme.name, dict(scheme.params)
-    model = C.from_dict(type(cfg.model), {**cfg.model.to_dict(), **scheme.model}, "sweep scheme model")
-    cfg.model = model
-    cfg.train = C.from_dict(type(cfg.train), {**cfg.to_dict()["train"], **scheme.train}, "sweep scheme train")
-    C.regular_scheme(cfg, [f"model.scheme={scheme.name}"])  # the entry names its scheme explicitly
-    C.validate(cfg)
-    return cfg
-
-
-def run_id(dataset: str, scheme: SchemeSpec, seed: int) -> str:
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in scheme.label)
-    return f"{dataset}--{safe}--s{seed}"
+from .spec import ModelSpec, SchemeSpec, SweepSpec, entry_config, load_sweep, run_id  # noqa: F401 - the sweep API
 
 
 def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] | None = None,
@@ -154,8 +40,11 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
                 protocols=base.eval.protocols,
                 schemes=[s.label for s in spec.schemes] + [m.label for m in spec.models],
                 seeds=spec.seeds, datasets=spec.datasets)
-    grid = [(d, s, seed) for d in spec.datasets for s in spec.schemes for seed in spec.seeds]
+    # runs that train first, then the entries derived from them (`from:`, sweep/derived.py)
+    grid = [(d, s, seed) for derived in (False, True) for d in spec.datasets for s in spec.schemes
+            for seed in spec.seeds if s.derived == derived]
     todo = [(i, d, s, seed) for i, (d, s, seed) in enumerate(grid, 1) if db.status(run_id(d, s, seed)) != "done"]
+    n_derived = sum(s.derived for _, _, s, _ in todo)
     workers = max(1, min(spec.workers, len(todo)))
     _say(progress, f"sweep {base.name}: {len(grid)} runs ({len(grid) - len(todo)} already done, "
                    f"{workers} worker{'s' if workers > 1 else ''}) -> {out}")
@@ -165,7 +54,8 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
         cfg.data.corpus = d
         vocab[d] = int(prepare(cfg.data, progress=progress).vocab_size)
     jobs = []
-    tail = len(todo) % workers if workers > 1 and len(todo) > workers else 0  # runs left for the last round
+    n_train = len(todo) - n_derived
+    tail = n_train % workers if workers > 1 and n_train > workers else 0  # runs left for the last round
     for n, (i, dataset, scheme, seed) in enumerate(todo):
         rid = run_id(dataset, scheme, seed)
         holder = is_locked(run_lock_path(out / "runs" / rid))  # _run_job checks again, under the lock
@@ -177,12 +67,15 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
         cfg.name, cfg.out_dir = rid, str(out / "runs")
         cfg.train.seed, cfg.data.corpus = seed, dataset
         if workers > 1 and not cfg.train.threads:  # the last round's runs share the cores the pool freed
-            cfg.train.threads = max(1, (os.cpu_count() or 1) // (tail if n >= len(todo) - tail else workers))
+            share = min(workers, n_derived) if scheme.derived else tail if n >= n_train - tail else workers
+            cfg.train.threads = max(1, (os.cpu_count() or 1) // share)
         db.mark(rid, dataset=dataset, scheme=scheme.name, label=scheme.label, seed=seed,
                 status="queued", run_dir=str(out / "runs" / rid), config=cfg.to_dict())
-        jobs.append((str(out), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}"))
+        derive = {"source": run_id(dataset, spec.entry(scheme.source), seed), "step": scheme.step} \
+            if scheme.derived else None
+        jobs.append((str(out), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}", derive))
     left = 0  # runs the time budget left for the next invocation
-    with Monitor(out, [j[1] for j in jobs], base.train.steps, workers, enabled=progress) as mon:
+    with Monitor(out, [j[1] for j in jobs if not j[4]], base.train.steps, workers, enabled=progress) as mon:
         if workers == 1:
             took = run_seconds(db)  # what one run took here before: the budget's estimate of the next
             for n, job in enumerate(jobs):
@@ -194,9 +87,10 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
                 mon.say(_run_job(job, False))
                 took.append(time.time() - t1)
         else:  # independent runs in parallel processes; each records its own rows in one transaction
-            head, last = (jobs[:-tail], jobs[-tail:]) if tail else (jobs, [])
+            trains, derived = [j for j in jobs if not j[4]], [j for j in jobs if j[4]]
+            head, last = (trains[:-tail], trains[-tail:]) if tail else (trains, [])
             ctx = multiprocessing.get_context("spawn")
-            for group, n_proc in ((head, workers), (last, tail)):
+            for group, n_proc in ((head, workers), (last, tail), (derived, min(workers, len(derived)))):
                 if not group:
                     continue
                 with ProcessPoolExecutor(max_workers=n_proc, mp_context=ctx, initializer=exit_with_parent,
@@ -234,11 +128,12 @@ def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict,
     from .cost import bench_settings, run_cost_bench
 
     ds = spec.datasets[0]
+    trained = [s for s in spec.schemes if not s.derived]  # a derived entry's model is timed as its source's
     stored = db.meta().get("cost_bench")
-    if stored and stored.get("settings") == json.loads(json.dumps(bench_settings(base, vocab[ds], spec.schemes, spec.cost_rounds))):
+    if stored and stored.get("settings") == json.loads(json.dumps(bench_settings(base, vocab[ds], trained, spec.cost_rounds))):
         return None
     t = time.time()
-    res = run_cost_bench(base, vocab[ds], spec.schemes, spec.workers, spec.cost_rounds, say)
+    res = run_cost_bench(base, vocab[ds], trained, spec.workers, spec.cost_rounds, say)
     res["seconds"] = time.time() - t
     say(f"cost: bench pass done in {res['seconds']:.0f} s")
     return res
@@ -257,11 +152,14 @@ def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
 
 
 def _run_job(job: tuple, progress: bool) -> str:
-    """Train (resuming) and evaluate one sweep run, then record it; runs in a worker process too."""
+    """Train (resuming) and evaluate one sweep run, then record it; runs in a worker process too.
+    A derived entry's job (5th item: {"source": run id, "step": {...}}) makes its run from its source's
+    instead of training (sweep/derived.py)."""
     from ..data import prepare
     from ..train import train
 
-    out, rid, cfg_dict, tag = job
+    out, rid, cfg_dict, tag, *rest = job
+    derive = rest[0] if rest else None
     cfg = C.from_dict(C.RunConfig, cfg_dict)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -271,12 +169,20 @@ def _run_job(job: tuple, progress: bool) -> str:
         with run_lock(run_dir, owner=f"sweep {out}: {rid}"):
             if db.status(rid) == "done":  # finished by another sweep since this one listed it
                 return f"{tag}: done by another process"
-            db.set_status(rid, "training")
+            if derive and db.status(derive["source"]) != "done":
+                return f"{tag}: skipped, its source run {derive['source']} is not done; re-run this sweep after it"
+            db.set_status(rid, "deriving" if derive else "training")
             data = prepare(cfg.data, progress=False)
-            summary = train(cfg, run_dir, data=data, progress=progress)
+            if derive:
+                from .derived import derive_run
+
+                model_dir, summary = derive_run(Path(out), derive, run_dir, cfg, data)
+            else:
+                model_dir, summary = run_dir, train(cfg, run_dir, data=data, progress=progress)
             db.set_status(rid, "evaluating")
-            scalars, series, extra = evaluate_run_dir(run_dir, cfg, data)
-            series += curve_series(run_dir, summary)  # the report's training curves
+            scalars, series, extra = evaluate_run_dir(run_dir, cfg, data, model_dir=model_dir)
+            if not derive:
+                series += curve_series(run_dir, summary)  # the report's training curves
             db.record(rid, {**summary, **extra}, scalars, series)
     except LockBusy as e:
         return (f"{tag}: skipped, another process is on it ({e.holder or 'pid unknown'}); "
