@@ -64,32 +64,35 @@ def _table(**cells):
     return {"tasks": {t: {m: {"max": v, "avg": v} for m, v in per.items()} for t, per in cells.items()}}
 
 
-def test_next_to_ruoss_table_1_marks_their_cells():
+def test_next_to_ruoss_table_1_names_their_cells_until_transcribed(monkeypatch):
+    """Ruoss et al.'s numbers are not in the repository (not read from the paper here): each † cell
+    names the Table 1 cell to read; once RUOSS_TABLE_1 holds numbers they are filled and marked."""
     table = _table(parity={"transformer-rope-random": 55.0, "regulargpt-C2": 100.0},
                    cycle_navigation={"transformer-rope-random": 60.0}, d2={"transformer-rope-random": 99.0})
     lines = ruoss_markdown(table, ["regulargpt-C2", "transformer-rope-random"])
     head = next(ln for ln in lines if ln.startswith("| task |"))
     assert head == ("| task | regulargpt-C2 (ours) | regulargpt-C2 thesis | transformer-rope-random (ours) | "
-                    "Ruoss rope randomized † | Ruoss best standard † | Ruoss best randomized † |")
+                    "Ruoss rope randomized † |")
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")[1:]]
             for ln in lines if ln.startswith("| parity") or ln.startswith("| cycle")}
-    par = R.RUOSS_TABLE_1["parity"]
-    assert rows["parity (Parity Check)"] == ["100.0", "100.0", "55.0", f"{par['rope'][1]:.1f}",
-                                             f"{max(v[0] for v in par.values()):.1f}",
-                                             f"{max(v[1] for v in par.values() if v[1] is not None):.1f}"]
+    assert rows["parity (Parity Check)"] == ["100.0", "100.0", "55.0", "Table 1, rope randomized"]
     assert rows["cycle_navigation (Cycle Navigation)"][:3] == ["—", "100.0", "60.0"]  # no C2 run; thesis Max
     assert not any(ln.startswith("| d2") for ln in lines)  # not one of Ruoss et al.'s tasks
-    assert any("maximized over 10 seeds and 3 learning rates" in ln for ln in lines)
-    assert any("not yet checked" in ln for ln in lines) == (not R.RUOSS_CHECKED)
+    assert any("not filled in" in ln for ln in lines)
     assert ruoss_markdown(_table(d2={"rnn": 1.0}), ["rnn"]) == []
+    # with numbers in the reference data (a stand-in here, not the paper's) the cells and best columns fill in
+    fake = {t: {"none": (10.0, None), "rope": (20.0, 30.0), "relative": (40.0, 25.0)} for t in R.RUOSS_TASK_NAMES}
+    monkeypatch.setattr(R, "RUOSS_TABLE_1", fake)
+    import extrapolab.regular.table_md as md
+
+    monkeypatch.setattr(md, "RUOSS_TABLE_1", fake)
+    lines = ruoss_markdown(table, ["transformer-rope-random"])
+    row = next(ln for ln in lines if ln.startswith("| parity"))
+    assert [c.strip() for c in row.strip("|").split("|")[1:]] == ["55.0", "30.0", "40.0", "30.0"]
+    assert not any("not filled in" in ln for ln in lines)
 
 
-def test_ruoss_reference_data_covers_the_shared_tasks():
-    assert set(R.RUOSS_TABLE_1) == set(R.RUOSS_TASK_NAMES) == {"even_pairs", "modular_arithmetic", "parity",
-                                                              "cycle_navigation"}
-    for task, row in R.RUOSS_TABLE_1.items():
-        assert set(row) == {"none", "sin/cos", "relative", "alibi", "rope", "learned"}
-        assert row["none"][1] is None and all(0 <= v <= 100 for s, r in row.items() for v in r if v is not None)
-    assert R.ruoss_cell("even_pairs", "transformer-alibi-random") == R.RUOSS_TABLE_1["even_pairs"]["alibi"][1]
-    assert R.ruoss_cell("even_pairs", "transformer") == R.RUOSS_TABLE_1["even_pairs"]["relative"][0]
+def test_ruoss_reference_data_is_empty_or_covers_the_shared_tasks():
+    assert set(R.RUOSS_TASK_NAMES) == {"even_pairs", "modular_arithmetic", "parity", "cycle_navigation"}
+    assert not R.RUOSS_TABLE_1 or set(R.RUOSS_TABLE_1) == set(R.RUOSS_TASK_NAMES)
     assert R.ruoss_cell("d2", "transformer") is None and R.ruoss_cell("parity", "rnn") is None

@@ -37,21 +37,12 @@ THESIS_TABLE_6_2 = {
                       "transformer": [50.1, 49.7, 50.3, 49.9, 50.0]},
 }
 
-#: Ruoss et al. 2023 Table 1, regular tasks, accuracy %: {task: {encoding: (standard, randomized)}};
-#: "none" has no randomized version. Transcribed for this file from the paper's Table 1; the values were
-#: not checked against a machine-readable copy of the paper when they were entered (RUOSS_CHECKED): check
-#: them against arXiv 2305.16843 Table 1 before citing, then set RUOSS_CHECKED = True.
-RUOSS_TABLE_1 = {
-    "even_pairs": {"none": (50.4, None), "sin/cos": (50.9, 100.0), "relative": (96.4, 100.0),
-                   "alibi": (67.3, 81.5), "rope": (51.0, 100.0), "learned": (50.7, 97.5)},
-    "modular_arithmetic": {"none": (20.1, None), "sin/cos": (20.5, 25.7), "relative": (21.8, 28.1),
-                           "alibi": (24.2, 21.2), "rope": (21.6, 25.5), "learned": (20.2, 21.1)},
-    "parity": {"none": (51.9, None), "sin/cos": (50.5, 52.6), "relative": (51.8, 52.2),
-               "alibi": (51.7, 50.3), "rope": (51.3, 52.3), "learned": (50.3, 52.6)},
-    "cycle_navigation": {"none": (61.9, None), "sin/cos": (26.3, 59.0), "relative": (23.0, 58.8),
-                         "alibi": (37.6, 29.8), "rope": (23.6, 73.6), "learned": (24.2, 49.7)},
-}
-RUOSS_CHECKED = False
+#: Ruoss et al. 2023 Table 1, regular tasks, accuracy %: {task: {encoding: (standard, randomized)}}
+#: ("none" has no randomized version). Left empty on purpose: the table could not be read where this
+#: file was written (no copy of the paper's table was reachable offline), and numbers recalled from
+#: memory are not published. Fill it from arXiv 2305.16843 Table 1 and the comparison table shows
+#: them next to ours (table_md.ruoss_markdown); until then it names the cell to read instead.
+RUOSS_TABLE_1: dict[str, dict[str, tuple[float, float | None]]] = {}
 RUOSS_TASK_NAMES = {"even_pairs": "Even Pairs", "modular_arithmetic": "Modular Arithmetic (Simple)",
                     "parity": "Parity Check", "cycle_navigation": "Cycle Navigation"}
 #: our column -> (Ruoss et al.'s encoding, "randomized" | "standard"): the cell of theirs it is read next to
@@ -61,7 +52,7 @@ RUOSS_COLUMNS = {"transformer-rope-random": ("rope", "randomized"),
 
 
 def ruoss_cell(task: str, column: str) -> float | None:
-    """Ruoss et al.'s Table 1 value for our ``column`` on ``task`` (None: no counterpart)."""
+    """Ruoss et al.'s Table 1 value for our ``column`` on ``task`` (None: no counterpart, or not transcribed)."""
     enc = RUOSS_COLUMNS.get(column)
     row = RUOSS_TABLE_1.get(task, {}).get(enc[0]) if enc else None
     return None if row is None else row[0 if enc[1] == "standard" else 1]
