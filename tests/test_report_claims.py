@@ -62,7 +62,7 @@ def test_label_keys_and_the_report_table():
     assert row.startswith("| nope-headscale(tuned) | head-scale NoPE beats NoPE") and row.endswith("| yes |")
     assert "1024: 104.0 vs 120.0" in row and "Wang et al. 2024" in row
     assert "One seed: no significance test was run" in md and "this CPU run: tiny" in md
-    assert "- Wang et al. 2024: TinyLlama-1.1B NoPE" in md
+    assert "- Wang et al. 2024: long-sequence language modeling" in md
     assert claims_markdown({E1: {"none": {64: 1.0, 128: 1.0}}}, 64) == ""  # no claim about NoPE itself
 
 
