@@ -99,7 +99,7 @@ def test_every_method_at_1x_and_2x_identical_cells_once(smoke):
     assert (two["pi"]["rope"], two["yarn"]["rope"], two["selfextend"]["rope"]) == ("linear:2", "yarn:2", "selfextend:3,64")
     assert two["rerope"]["rope"] == "rerope:32+logn" and two["length"]["tau"] == pytest.approx(math.log(256) / math.log(512))
     taus = res["results"]["align_tau"]["512"]
-    assert len(taus) == 2 and all(t in GRID for t in taus)
+    assert len(taus) == 2 and all(t in GRID for t in taus) and res["results"]["align"]["512"]["peak_mib"]["512"] > 0
     assert two["pmax"]["tau"] == (taus if len(set(taus)) > 1 else taus[0])
 
 
@@ -109,7 +109,7 @@ def test_holds_long_lengths_passkey_and_erf_follow_the_rules(smoke):
     ratio = r["spec"]["hold_ratio"]
     holds = r["holds"]["512"]
     for m, h in holds.items():
-        want = {c: r["cells"][m]["512"][c]["e1"] / r["cells"]["rope"]["256"][c]["e1"] for c in (prose, code)}
+        want = {c: r["cells"][m]["512"][c]["tail_ppl"] / r["cells"]["rope"]["256"][c]["e1"] for c in (prose, code)}
         assert h["ratio"] == pytest.approx(want) and h["holds"] == all(v <= ratio for v in want.values())
     ok = sorted((m for m, h in holds.items() if h["holds"] and m != "dynamic"),
                 key=lambda m: np.mean(list(holds[m]["ratio"].values())))
@@ -136,7 +136,13 @@ def test_e1_e3_e4_of_one_forward_equal_the_protocols(smoke):
     e = np.asarray(r["ends"][prose])
     assert e.tolist() == [1024]  # one window; ends at the longest length read on this corpus
     cell = r["cells"]["rope"]["512"][prose]
-    assert cell == {**score_cell(m, tokens, e, 512, 1.0), "rope": None, "tau": 1.0, "same_as": None}
+    assert cell == {**score_cell(m, tokens, e, 512, 1.0, 256), "rope": None, "tau": 1.0, "same_as": None}
+    one = r["cells"]["rope"]["256"][prose]
+    assert one["tail"] == 256 and one["tail_ppl"] == pytest.approx(one["e1"], rel=1e-9)  # at 1x the tail is the window
+    from extrapolab.eval.core import score_windows
+
+    same = score_windows(m, tokens, [e[0] - 512], 512, 256, batch_size=1).mean_nll  # the 1x cell's targets
+    assert cell["tail"] == 256 and cell["tail_ppl"] == pytest.approx(math.exp(same), rel=1e-6)
     assert cell["e1"] == pytest.approx(nonoverlapping(m, np.asarray(tokens[e[0] - 512:e[0] + 1]), 512)["ppl"], rel=1e-6)
     assert cell["e3"] == pytest.approx(last_token(m, tokens, [513], n=1, max_length=1025)[513], rel=1e-5)
     assert np.mean(cell["e4_nll"]) == pytest.approx(cell["e1_nll"], rel=1e-4) and cell["e3_n"] == 1
@@ -150,8 +156,9 @@ def test_report_files_and_resume_through_the_cli(smoke):
         assert (out / name).is_file(), name
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 5  # E1 x 2 corpora, E4, passkey, ERF
+    assert (out / "tail.csv").is_file() and "token_acc" in (out / "passkey.csv").read_text()
     md = (out / "report.md").read_text()
-    for needle in ("holds at 512 (2x)", "extend-smoke", "E1 / plain RoPE", "Self-Extend", "dynamic NTK",
+    for needle in ("holds at 512 (2x)", "extend-smoke", "last-L_ctx ppl / plain RoPE", "Self-Extend", "dynamic NTK",
                    "τ: Alg. 1 P_max", "Wall time", "sha256", "extrapolab align rope hf:"):
         assert needle in md, needle
     assert {row["method"] for row in _rows(out / "e1.csv")} == set(METHODS)
@@ -173,6 +180,8 @@ def test_dynamic_ntk_in_one_forward_is_ntk_aware(tmp_path):
         plain = open_hf(f"hf:{folder}")(ids)
     assert (dyn - ntk).abs().max() < 1e-4 < (dyn - plain).abs().max()
     assert setting("dynamic", 4 * L_CTX, L_CTX) == setting("ntk", 4 * L_CTX, L_CTX)
+    yarn = open_hf(f"hf:{folder}", rope="yarn:2", train_length=64)  # extend.context: the L_tr YaRN scales from
+    assert yarn.hf.config.rope_parameters["original_max_position_embeddings"] == 64 == yarn.loaded.train_length
 
 
 def test_teacher_forced_passkey_is_greedy_exact_match_and_chat_wrapped(tmp_path):

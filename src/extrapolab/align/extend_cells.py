@@ -17,7 +17,10 @@ Per cell, on each corpus: E1, E3 and E4 from the SAME forwards (:func:`score_cel
 windows of L tokens ending at fixed end tokens e_1..e_n (the same at every L, at least the longest
 L apart): E1 = perplexity of every prediction of those (disjoint) windows, E3 = perplexity of the
 end tokens, each predicted from the L tokens before it (``eval.last_token`` at L_ex = L + 1), E4 =
-mean NLL per position. Passkey (:func:`passkey_records`): the prompt plus the answer in one forward
+mean NLL per position; and the perplexity of each window's last L_ctx predictions (``tail_ppl``):
+the very tokens the 1x cell scores, now read after L - L_ctx more tokens -- what "holds" compares
+(the first L - L_ctx predictions of a longer window are other text, so its E1 is not comparable
+with the 1x E1 on one window). Passkey (:func:`passkey_records`): the prompt plus the answer in one forward
 (teacher forcing); exact match of the argmax at the answer's positions, which is exact match of
 greedy decoding (the greedy path equals the answer iff every step's argmax is the answer's token).
 """
@@ -120,21 +123,26 @@ def window_ends(n_tokens: int, longest: int, windows: int, what: str) -> np.ndar
     return ends
 
 
-def score_cell(model, tokens, ends: np.ndarray, L: int, tau) -> dict:
-    """E1, E3 and E4 of the windows of ``L`` tokens ending at ``ends`` (module doc), one forward each."""
+def score_cell(model, tokens, ends: np.ndarray, L: int, tau, tail: int | None = None) -> dict:
+    """E1, E3 and E4 of the windows of ``L`` tokens ending at ``ends`` (module doc), one forward each,
+    and the perplexity of their last ``tail`` predictions (L_ctx: the tokens the 1x cell scores)."""
     opts = AttnOptions(temperature=list(tau) if isinstance(tau, tuple) else tau)
     s = score_windows(model, tokens, np.asarray(ends) - L, L, 0, batch_size=1, opts=opts, per_position=True)
     nll = s.pos_sum / s.pos_count  # [L]
+    tail = min(int(tail or L), L)
+    tail_nll = float(nll[L - tail:].mean())  # every position holds one prediction per window
     width = max(1, L // E4_POINTS)
     m = L // width * width
     curve = nll[:m].reshape(-1, width).mean(1)  # [<= E4_POINTS]
-    return {"e1": ppl_of(s.mean_nll), "e1_nll": s.mean_nll, "tokens": int(s.count),
+    return {"e1": ppl_of(s.mean_nll), "e1_nll": s.mean_nll, "tokens": int(s.count), "tail": tail,
+            "tail_ppl": ppl_of(tail_nll), "tail_nll": tail_nll,
             "e3": ppl_of(float(nll[-1])), "e3_nll": float(nll[-1]), "e3_n": int(len(ends)),
             "e4_bin": width, "e4_nll": [round(float(v), 5) for v in curve]}
 
 
 def passkey_records(model, examples, tau) -> list[dict]:
-    """Exact-match records of teacher-forced passkey examples (module doc), one forward each."""
+    """Exact-match records of teacher-forced passkey examples (module doc), one forward each;
+    ``token_acc``: the fraction of the answer's tokens whose argmax (after the right ones) is right."""
     opts = AttnOptions(temperature=list(tau) if isinstance(tau, tuple) else tau)
     dev, out = model_device(model), []
     with evaluating(model):
@@ -148,7 +156,8 @@ def passkey_records(model, examples, tau) -> list[dict]:
                 logits = model(ids, opts=opts)[:, -k:]  # [1, k, V]
             pred = logits[0].argmax(-1).tolist()
             out.append({"length": ex.target_length, "tokens": ex.length, "depth": ex.depth,
-                        "correct": bool(pred == ex.answer), "pred": pred, "answer": ex.answer})
+                        "correct": bool(pred == ex.answer), "pred": pred, "answer": ex.answer,
+                        "token_acc": float(np.mean([a == b for a, b in zip(pred, ex.answer)]))})
     return out
 
 

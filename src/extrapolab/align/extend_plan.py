@@ -60,10 +60,11 @@ class Plan:
 
     # ---------------------------------------------------------------- what holds
     def ratios(self, method: str, L: int) -> dict[str, float]:
-        """{corpus: E1(method, L) / E1(plain RoPE, L_ctx)} over the corpora measured at L."""
+        """{corpus: ppl of the last L_ctx predictions of (method, L)'s windows / plain RoPE's E1 at
+        L_ctx (the same tokens)} over the corpora measured at L."""
         out = {}
-        for c in self.cells.get(method, {}).get(str(L), {}):
-            a, b = self.e1(method, L, c), self.e1("rope", self.L_ctx, c)
+        for c, cell in self.cells.get(method, {}).get(str(L), {}).items():
+            a, b = cell.get("tail_ppl"), self.e1("rope", self.L_ctx, c)
             if a is not None and b:
                 out[c] = a / b
         return out

@@ -8,8 +8,10 @@ On the SAME weights (a local folder or a GGUF file), with L_ctx the model's cont
    NTK-aware, dynamic NTK, YaRN, Self-Extend, ReRoPE (+ log-n, as Su's patch), log-n, Algorithm 1's
    per-layer P_max tau and the length rule tau = log L_ctx / log L -- on every corpus: E1, E3, E4
    from the same forwards (:func:`.extend_cells.score_cell`); cells whose settings coincide run once;
-3. a method HOLDS at L when its E1 at L is at most ``hold_ratio`` (1.10) x plain RoPE's E1 at L_ctx
-   on every corpus measured at L: it reads L tokens at no more than 10% perplexity cost. Each of
+3. a method HOLDS at L when, on every corpus measured at L, the perplexity of the last L_ctx
+   predictions of its windows (the tokens plain RoPE's 1x cell scores, now after L - L_ctx more
+   tokens) is at most ``hold_ratio`` (1.10) x plain RoPE's E1 at L_ctx: it reads L tokens at no
+   more than 10% perplexity cost on the same tokens. Each of
    ``long_factors`` (4x) takes the methods that held at the factor before it, best (lowest mean
    ratio) first, at most ``long_methods``, on ``long_corpora``;
 4. passkey (chat template where the tokenizer has one; teacher-forced exact match): plain RoPE at
@@ -46,6 +48,7 @@ SECTION = "extend"
 
 @dataclass
 class ExtendSpec:
+    context: int = 0  # L_ctx: 0 = the model's config (max_position_embeddings); else the L_tr to extend from
     corpora: list[str] = field(default_factory=lambda: ["pydoc", "stdlib"])  # prose, code; the first feeds Alg. 1
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     full_factors: list[float] = field(default_factory=lambda: [1.0, 2.0])  # L = f x L_ctx, every method
@@ -125,7 +128,8 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
         torch.set_num_threads(cfg.train.threads)
     host = _host()
     dtype = {"auto": "auto", "bf16": "bf16"}.get(cfg.train.precision, "fp32")
-    models = Models(model, device=cfg.train.device, dtype=dtype, cache_dir=cfg.data.cache_dir)
+    models = Models(model, device=cfg.train.device, dtype=dtype, cache_dir=cfg.data.cache_dir,
+                    train_length=spec.context or None)
     base = models.get(None)
     loaded, L_ctx = base.loaded, int(base.loaded.train_length or 0)
     if loaded.positions != "rope" or not L_ctx:
@@ -161,10 +165,10 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
         for k, group in plan.groups(L, methods).items():
             st0 = setting(group[0], L, L_ctx, plan.align_tau)
             for c in corpora:
-                st = {"L": L, "corpus": c, "ends": ends[c].tolist(), "rope": st0.rope, "tau": st0.tau}
+                st = {"L": L, "corpus": c, "ends": ends[c].tolist(), "rope": st0.rope, "tau": st0.tau, "tail": L_ctx}
                 say(f"L={L} {c}: {', '.join(group)} (--rope {st0.rope or 'none'}, tau {plan.tau_text(st0.tau)})")
                 res = stages.run(f"cells/e-{plan.slug(c)}-{L}-{plan.short(k)}", st, lambda st0=st0, c=c: score_cell(
-                    models.get(st0.rope), tokens[c], ends[c], L, st0.tau))
+                    models.get(st0.rope), tokens[c], ends[c], L, st0.tau, L_ctx))
                 plan.record(L, c, group, st0, res)
 
     for f in spec.full_factors:

@@ -122,17 +122,22 @@ def align_layers(model, train_segments, segments: dict, *, mode: str = "pmax", t
     """Per-layer tau at every length: ``train_segments`` [N, L_tr] give each layer's statistic at
     L_tr (tau = 1), ``segments`` {L: [N, L]} one forward each. Returns {"train": summary at L_tr,
     "tau": {str(L): [tau per layer]}, "stats": {str(L): summary}} (JSON-able)."""
+    from ..memory import PeakMemory
+
     num_layers = int(model.hf.config.num_hidden_layers)
+    dev = next(model.hf.parameters()).device
     ref = LayerAligner(num_layers, [1.0], mode, rows=rows, block=block)
     say(f"Algorithm 1 (one pass): layer statistics at L_tr = {np.shape(train_segments)[-1]}")
     run_pass(model, train_segments, ref)
     target = [ref.values(r)[0] for r in range(num_layers)]
     out = {"mode": mode, "rows": int(rows), "grid": [float(t) for t in taus], "train": ref.summary(),
-           "tau": {}, "stats": {}}
+           "tau": {}, "stats": {}, "peak_mib": {}}
     for L, segs in segments.items():
         say(f"Algorithm 1 (one pass): tau per layer at L = {L}")
         a = LayerAligner(num_layers, taus, mode, target=target, rows=rows, block=block)
-        run_pass(model, segs, a)
+        with PeakMemory(dev) as mem:  # the process's peak during the pass (weights included)
+            run_pass(model, segs, a)
         out["tau"][str(L)] = [float(t) for t in a.chosen]
         out["stats"][str(L)] = a.summary()
+        out["peak_mib"][str(L)] = mem.abs_mib
     return out
