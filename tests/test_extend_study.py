@@ -214,6 +214,9 @@ def test_checkpointed_last_token_erf_is_the_gradient(tmp_path):
     g = torch.autograd.grad(loss, e)[0].double().norm(dim=-1)[0]
     want = (g / g.sum()).flip(0).cumsum(0).flip(0).numpy()
     assert np.allclose(plain[0, :-1], want, atol=1e-9) and not m.hf.training
+    rerope = open_hf(f"hf:{tmp_path / 'm'}", device="cpu", dtype="fp32", rope="rerope:8+logn")  # the two-pass kernel
+    c = hf_cumulative_gradient(rerope, seg, checkpoint=True)
+    assert np.allclose(c, hf_cumulative_gradient(rerope, seg), atol=1e-10) and not np.allclose(c, plain, atol=1e-6)
 
 
 def test_bad_presets_and_models(tmp_path):

@@ -67,8 +67,7 @@ def plot_passkey(results: dict, stem: Path) -> str | None:
                for L, recs in byL.items() for r in recs]
     if not records:
         return None
-    title = f"passkey exact match (teacher-forced greedy), {results['model']['name']}"
-    return plot_heatmap(records, stem, title=title)[0]
+    return plot_heatmap(records, stem, title="passkey, exact match")[0]
 
 
 def plot_erf_curves(results: dict, stem: Path) -> str | None:

@@ -71,20 +71,27 @@ def metric_table(results: dict, key: str, title: str, fmt: str = ".3f") -> tuple
 
 def hold_sentences(results: dict) -> list[str]:
     """One sentence per method on each length beyond the context (module doc's hold rule)."""
-    ratio = results["spec"]["hold_ratio"]
+    ratio, k = results["spec"]["hold_ratio"], results["spec"]["long_methods"]
+    Ls = sorted(results["holds"], key=int)
     out = []
     for m in results["cells"]:
-        parts = []
-        for L, byM in sorted(results["holds"].items(), key=lambda kv: int(kv[0])):
-            h = byM.get(m)
-            if h is None:
-                if m in results["cells"] and any(int(x) < int(L) for x in results["holds"]):
-                    parts.append(f"not run at {_x(results, L)} (it did not hold, or ranked below the "
-                                 f"{results['spec']['long_methods']} best, at the length before)")
-                continue
-            r = ", ".join(f"{c} ×{v:.2f}" for c, v in h["ratio"].items())
-            parts.append(f"{'holds' if h['holds'] else 'does not hold'} at {_x(results, L)} (last-L_ctx ppl / "
-                         f"plain RoPE's E1 at L_ctx: {r})")
+        parts, prev = [], None
+        for L in Ls:
+            h = results["holds"][L].get(m)
+            if h is not None:
+                cell = next(iter(results["cells"][m][L].values()))
+                r = ", ".join(f"{c} ×{v:.2f}" for c, v in h["ratio"].items())
+                same = f", the same forwards as {label(cell['same_as'])}" if cell.get("same_as") else ""
+                parts.append(f"{'holds' if h['holds'] else 'does not hold'} at {_x(results, L)} (last-L_ctx ppl / "
+                             f"plain RoPE's E1 at L_ctx: {r}{same})")
+            elif prev is not None:
+                hp = results["holds"][prev].get(m)
+                cell = next(iter(results["cells"][m].get(prev, {}).values()), {})
+                why = ("it does not hold at the length before" if hp is None or not hp["holds"] else
+                       f"its cells at the length before are {label(cell['same_as'])}'s" if cell.get("same_as") else
+                       f"it holds at the length before but ranks below the {k} best")
+                parts.append(f"not run at {_x(results, L)} ({why})")
+            prev = L
         if parts:
             out.append(f"- **{label(m)}**: " + "; ".join(parts) + ".")
     return [f"A method holds at L when, on every corpus measured at L, the perplexity of the last L_ctx = "

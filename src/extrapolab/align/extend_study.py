@@ -130,21 +130,24 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
     dtype = {"auto": "auto", "bf16": "bf16"}.get(cfg.train.precision, "fp32")
     models = Models(model, device=cfg.train.device, dtype=dtype, cache_dir=cfg.data.cache_dir,
                     train_length=spec.context or None)
+    from ..hf.evaluate import model_block
+
     base = models.get(None)
     loaded, L_ctx = base.loaded, int(base.loaded.train_length or 0)
     if loaded.positions != "rope" or not L_ctx:
         raise UserError(f"{model} is a {loaded.family} model with {loaded.positions} positions; the extension "
                         "study needs a RoPE model whose config names its context (max_position_embeddings)")
-    key = model_key(loaded)
+    key, block, tok = model_key(loaded), model_block(base), loaded.tokenizer
+    del base, loaded  # only the Models cache holds a model from here on (one copy of the weights)
     stages = _Stages(out, key, say)
     C.save(cfg, out / "config.yaml")
     atomic_write_json(out / "extend-spec.json", dataclasses.asdict(spec))
     plan = Plan(spec, L_ctx)
-    tokens = {c: hf_split(dataclasses.replace(cfg.data, corpus=c), loaded.tokenizer, cfg.eval.split)
+    tokens = {c: hf_split(dataclasses.replace(cfg.data, corpus=c), tok, cfg.eval.split)
               for c in spec.corpora}
     ends = {c: window_ends(len(tokens[c]), plan.longest(c), spec.windows, f"the {cfg.eval.split} split of {c}")
             for c in spec.corpora}
-    chat = chat_wrap(loaded.tokenizer) if spec.passkey_chat else None
+    chat = chat_wrap(tok) if spec.passkey_chat else None
     first = spec.corpora[0]
 
     def segs(L):  # Algorithm 1's inputs: the first corpus's cell windows at L
@@ -185,7 +188,7 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
             st0 = setting(m, L, L_ctx, plan.align_tau)
             for Lp in lengths:
                 ex = make_examples("passkey", [Lp], spec.passkey_depths, spec.passkey_n, spec.seed,
-                                   tokenizer=HFCodec(loaded.tokenizer), preamble=True, chat=chat)
+                                   tokenizer=HFCodec(tok), preamble=True, chat=chat)
                 st = {"L": Lp, "rope": st0.rope, "tau": st0.tau, "depths": spec.passkey_depths, "n": spec.passkey_n,
                       "seed": spec.seed, "chat": chat is not None}
                 say(f"passkey L={Lp}: {m} ({len(ex)} trials)")
@@ -206,10 +209,8 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
                                      lambda st0=st0, seg=seg: erf_record(models.get(st0.rope), seg, st0.tau))
     host["load_avg_end"] = list(os.getloadavg())
     wall = time.time() - t0
-    from ..hf.evaluate import model_block
-
     results = {"model_spec": model, "preset": str(preset), "overrides": list(overrides or []), "budget": spec.budget,
-               "spec": dataclasses.asdict(spec), "config": cfg.to_dict(), "model": model_block(base), "key": key,
+               "spec": dataclasses.asdict(spec), "config": cfg.to_dict(), "model": block, "key": key,
                "L_ctx": L_ctx, "lengths": plan.lengths_table(), "ends": {c: e.tolist() for c, e in ends.items()},
                "chat": chat is not None, **plan.to_dict(), "stage_seconds": stages.seconds, "wall_s": wall,
                "model_loads": models.loads, "host": host}
