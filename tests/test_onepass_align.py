@@ -1,7 +1,8 @@
 """Algorithm 1 in one forward (align/onepass.py) on a tiny random Llama (GQA): the same tau per layer
 and the same statistics as the existing block-wise implementation (HFBlockTarget + SoftmaxStats)
-run greedily, one forward per layer with the earlier layers' taus fixed; sampled rows against an
-explicit softmax in float64; no tensor beyond one query block of logits."""
+run greedily, one forward per layer with the earlier layers' taus fixed (every grid tau evaluated,
+and the bisection over the grid choosing the same taus); sampled rows against an explicit softmax
+in float64; no tensor beyond one query block of logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -70,8 +71,12 @@ def _greedy_reference(model, train, segs, taus, mode):
 def test_one_forward_equals_the_blockwise_implementation_layer_by_layer(llama, spec, mode):
     model = open_hf(f"hf:{llama}", device="cpu", dtype="fp32", attn=ATTN, rope=spec)
     train, segs = _segments(model, 2, L_TR), _segments(model, 2, 2 * L_TR, offset=7)
-    res = align_layers(model, train, {2 * L_TR: segs}, mode=mode, rows=0, block=16)
+    res = align_layers(model, train, {2 * L_TR: segs}, mode=mode, rows=0, block=16, search="grid")
     target, chosen, stats = _greedy_reference(model, train, segs, GRID, mode)
+    fast = align_layers(model, train, {2 * L_TR: segs}, mode=mode, rows=0, block=16)  # bisection over the grid
+    assert fast["tau"] == res["tau"] and fast["search"] == "bisect"
+    evaluated = [[v for v in row if v is not None] for row in fast["stats"][str(2 * L_TR)][f"per_layer_{mode}"]]
+    assert all(2 <= len(row) <= 5 for row in evaluated), evaluated  # of 11
     key = f"per_layer_{mode}"
     assert np.allclose([r[0] for r in res["train"][key]], target, atol=2e-6)
     got = res["stats"][str(2 * L_TR)]
@@ -86,7 +91,7 @@ def test_sampled_rows_are_the_mean_over_those_rows(llama):
     q, k captured in the same forward and an explicit float64 softmax here."""
     model = open_hf(f"hf:{llama}", device="cpu", dtype="fp32", attn=ATTN)
     seg = _segments(model, 1, 80)
-    got, captured = LayerAligner(3, [1.0, 0.7], rows=10), {}
+    got, captured = LayerAligner(3, [1.0, 0.7], rows=10), {}  # no target: every tau is evaluated
 
     def spy(layer, q, k, q_pos, k_pos, scheme, window):
         captured[layer] = (q.clone(), k.clone(), q_pos, k_pos, scheme)

@@ -57,7 +57,7 @@ class ExtendSpec:
     hold_ratio: float = 1.10
     long_methods: int = 2
     long_corpora: list[str] = field(default_factory=lambda: ["pydoc"])
-    align_rows: int = 512  # query rows per layer read by Algorithm 1's statistics (0 = all)
+    align_rows: int = 256  # query rows per layer read by Algorithm 1's statistics (0 = all)
     passkey_lengths: list[int] = field(default_factory=lambda: [2048, 4096])  # plain RoPE below L_ctx
     passkey_factors: list[float] = field(default_factory=lambda: [1.0, 2.0])
     passkey_methods: int = 2
