@@ -89,7 +89,7 @@ def hold_sentences(results: dict) -> list[str]:
                 cell = next(iter(results["cells"][m].get(prev, {}).values()), {})
                 why = ("it does not hold at the length before" if hp is None or not hp["holds"] else
                        f"its cells at the length before are {label(cell['same_as'])}'s" if cell.get("same_as") else
-                       f"it holds at the length before but ranks below the {k} best")
+                       f"it holds at the length before but ranks below the best {k}")
                 parts.append(f"not run at {_x(results, L)} ({why})")
             prev = L
         if parts:
@@ -227,7 +227,9 @@ def write_extend_report(out: Path, results: dict) -> Path:
     note = (f"Command: <code>{html.escape(command(results, out))}</code>. Model: {mb['name']} ({mb['family']}, "
             f"{mb.get('parameters', 0):,} parameters, L_ctx = {results['L_ctx']:,}); weights: {weights}. Preset "
             f"<b>{html.escape(results['preset'])}</b> — {html.escape(results.get('budget') or '')}. Wall time "
-            f"{results['wall_s']:.0f} s on {html.escape(h['platform'])}, {h['cpus']} CPUs, {h['torch_threads']} torch "
+            f"{results['wall_s']:.0f} s this invocation, {sum(results['stage_seconds'].values()):.0f} s over all stages "
+            f"as each was measured when computed (see Cost), on {html.escape(h['platform'])}, {h['cpus']} CPUs, "
+            f"{h['torch_threads']} torch "
             f"threads, load average {h['load_avg'][0]:.1f} at the start and {h['load_avg_end'][0]:.1f} at the end. "
             "Static methods use s = L / L_ctx; identical cells ran once (see extend_cells.py). Generated "
             f"{dt.datetime.now().isoformat(timespec='seconds')}; every number is in <code>results.json</code>.")
