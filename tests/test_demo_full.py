@@ -62,5 +62,9 @@ def test_every_preset_loads_and_validates(name):
         from extrapolab.align.rope_study import load_rope_preset
 
         load_rope_preset(name)
+    elif "extend" in raw:
+        from extrapolab.align.extend_study import load_extend_preset
+
+        load_extend_preset(name)
     else:
         resolve(name)

@@ -98,3 +98,25 @@ def test_bench_hf_e1_against_bare_forward(tmp_path, monkeypatch):
                                  "--device", "cpu"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "E1 ×bare" in r.output and json.loads(out.read_text())["rows"]["16"]["ratio"]["rounds"] == 1
+
+
+def test_bench_hf_times_extensions_against_plain_e1(tmp_path):
+    """--rope rows: E1 of the extended model (sharing the plain model's weights) in the same rounds,
+    its ratio to plain E1 (past L_tr = 48, so log-n acts too), and the two-pass goal line for Self-Extend / ReRoPE only."""
+    from extrapolab.hf.bench import bench_hf_eval, format_hf_eval
+
+    path, _ = write_tiny_gguf(tmp_path / "b.gguf", "F32")
+    res = bench_hf_eval(f"hf:{path}", [64], windows=2, rounds=2, cache_dir=tmp_path / "c",
+                        ropes=["selfextend:2,8", "logn"])
+    stream = torch.randint(0, res["meta"]["vocab"], (2 * 64 + 1,), generator=torch.Generator().manual_seed(64)).numpy()
+    row = res["rows"]["64"]
+    for spec in ("selfextend:2,8", "logn"):
+        m = open_hf(f"hf:{path}", rope=spec, cache_dir=tmp_path / "c")
+        x = row["ropes"][spec]
+        assert x["ppl"] == pytest.approx(nonoverlapping(m, stream, 64)["ppl"], rel=1e-6)
+        assert x["ppl"] != row["ppl"]  # the extension acts (the plain model's weights, its own positions)
+        assert len(x["e1_s"]) == 2 and x["ratio"]["rounds"] == 2 and x["peak_mib"] > 0
+    assert row["ropes"]["selfextend:2,8"]["twopass"] and not row["ropes"]["logn"]["twopass"]
+    text = format_hf_eval(res)
+    assert "| 64 | selfextend:2,8 |" in text and "two-pass --rope selfextend:2,8: E1" in text
+    assert "two-pass --rope logn" not in text and "E1 time" in text and "peak RSS" in text

@@ -13,6 +13,10 @@ distractors, so it would measure nothing beyond the two tasks here under a misle
 Examples are built at token level from separately encoded pieces (preamble, junk sentences,
 needle, question, answer), so a prompt's length is controlled exactly in *tokens* for any
 tokenizer with ``encode(str) -> ids`` (our bytes/BPE codecs in extrapolab.data.tokenizer).
+An instruct model reads the task as one user turn of its chat template: ``chat=(head, tail)``
+(token ids around the user's text, e.g. from ``hf.data.chat_wrap``) puts ``head`` before the
+preamble, asks the question as the user ("What is the pass key?"), closes the turn with ``tail``
+and starts the assistant's answer ("The pass key is"), whose continuation is the answer.
 Everything is a pure function of (seed, kind, length, depth, index): adding lengths never changes
 other examples. Scoring: exact match of greedy decoding (full-context ``model(idx)``, no cache)
 of as many tokens as the answer has, per L_ex and depth, at any temperature (``temperature_scope``).
@@ -43,6 +47,8 @@ TEMPLATES = {  # (preamble, question, answer); the needle / lines are built per 
            "What is the value of line {k}? The value of line {k} is", " {v}"),
 }
 _KIND_ID = {"passkey": 1, "kv": 2}
+CHAT_QA = {"passkey": ("\nWhat is the pass key?", "The pass key is"),  # (user's question, assistant's start)
+           "kv": ("\nWhat is the value of line {k}?", "The value of line {k} is")}
 
 
 @dataclass
@@ -74,19 +80,28 @@ def _check_kind(kind: str) -> None:
         raise UserError(f"unknown retrieval task {kind!r}; use one of: {', '.join(KINDS)}")
 
 
-def make_example(kind: str, length: int, depth: float, rng: np.random.Generator, tok, preamble: bool = True) -> Example:
+def _question(kind: str, tok, chat, key) -> list[int]:
+    """The question's ids; with ``chat`` the user asks, ``tail`` ends the turn, the assistant starts."""
+    if chat is None:
+        return _enc(tok, TEMPLATES[kind][1].format(k=key))
+    user, reply = CHAT_QA[kind]
+    return _enc(tok, user.format(k=key)) + [int(i) for i in chat[1]] + _enc(tok, reply.format(k=key))
+
+
+def make_example(kind: str, length: int, depth: float, rng: np.random.Generator, tok, preamble: bool = True,
+                 chat=None) -> Example:
     """One example whose prompt + answer has at most ``length`` tokens (filled as far as whole
-    junk sentences / lines allow)."""
+    junk sentences / lines allow); ``chat``: (head, tail) ids of a chat template (module doc)."""
     _check_kind(kind)
     if not 0.0 <= depth <= 1.0:
         raise UserError(f"needle depth must be in [0, 1], got {depth}")
-    pre_t, q_t, a_t = TEMPLATES[kind]
-    pre = _enc(tok, pre_t) if preamble else []
+    pre_t, _, a_t = TEMPLATES[kind]
+    pre = ([int(i) for i in chat[0]] if chat else []) + (_enc(tok, pre_t) if preamble else [])
     if kind == "passkey":
         v = str(int(rng.integers(10000, 100000)))
         k = "pass key"
         needle = _enc(tok, f" The pass key is {v}. Remember it. {v} is the pass key.")
-        q, a = _enc(tok, q_t), _enc(tok, a_t.format(v=v))
+        q, a = _question(kind, tok, chat, k), _enc(tok, a_t.format(v=v))
         budget = length - len(pre) - len(needle) - len(q) - len(a)
         units, start = [], int(rng.integers(len(JUNK)))
         junk = [_enc(tok, " " + s) for s in JUNK]
@@ -109,34 +124,34 @@ def make_example(kind: str, length: int, depth: float, rng: np.random.Generator,
         while True:  # drop lines until the question and answer fit as well
             at = int(round(depth * max(n - 1, 0)))
             k, v = str(keys[at]), str(vals[at])
-            q, a = _enc(tok, q_t.format(k=k)), _enc(tok, a_t.format(v=v))
+            q, a = _question(kind, tok, chat, k), _enc(tok, a_t.format(v=v))
             if n < 2 or len(pre) + sum(len(x) for x in lines[:n]) + len(q) + len(a) <= length:
                 break
             n -= 1
         needle = lines[at]
         if n < 2:
-            raise UserError(f"length {length} is too short for the kv task; use lengths >= {min_length(kind, tok, bool(pre))}")
+            raise UserError(f"length {length} is too short for the kv task; use lengths >= {min_length(kind, tok, preamble, chat)}")
         body_before, body_after = lines[:at], lines[at + 1:n]
         parts = [pre, *body_before, needle, *body_after, q]
     prompt = [i for p in parts for i in p]
     if len(prompt) + len(a) > length:
         raise UserError(f"length {length} is too short for the {kind} task: it needs >= "
-                        f"{min_length(kind, tok, bool(pre))} tokens; use longer lengths (or no preamble)")
+                        f"{min_length(kind, tok, preamble, chat)} tokens; use longer lengths (or no preamble)")
     needle_pos = sum(len(p) for p in [pre, *body_before])
     return Example(kind, prompt, a, float(depth), needle_pos, len(prompt) + len(a), int(length), k, v)
 
 
-def min_length(kind: str, tokenizer=None, preamble: bool = True) -> int:
+def min_length(kind: str, tokenizer=None, preamble: bool = True, chat=None) -> int:
     """Fewest tokens an example of ``kind`` can have (no junk; two lines for kv), with slack."""
     _check_kind(kind)
     tok = tokenizer or byte_tokenizer()
-    pre_t, q_t, a_t = TEMPLATES[kind]
-    n = len(_enc(tok, pre_t)) if preamble else 0
+    pre_t, _, a_t = TEMPLATES[kind]
+    n = (len(_enc(tok, pre_t)) if preamble else 0) + (len(chat[0]) if chat else 0)
     if kind == "passkey":
-        n += len(_enc(tok, " The pass key is 99999. Remember it. 99999 is the pass key.")) + len(_enc(tok, q_t))
+        n += len(_enc(tok, " The pass key is 99999. Remember it. 99999 is the pass key."))
     else:
-        n += 2 * len(_enc(tok, "line 9999: value 99999\n")) + len(_enc(tok, q_t.format(k=9999)))
-    return n + len(_enc(tok, a_t.format(v=99999))) + 4
+        n += 2 * len(_enc(tok, "line 9999: value 99999\n"))
+    return n + len(_question(kind, tok, chat, 9999)) + len(_enc(tok, a_t.format(v=99999))) + 4
 
 
 def _rng(seed: int, kind: str, *more: int) -> np.random.Generator:
@@ -144,11 +159,11 @@ def _rng(seed: int, kind: str, *more: int) -> np.random.Generator:
 
 
 def make_examples(kind: str, lengths: Sequence[int], depths: Sequence[float], n: int, seed: int = 0,
-                  tokenizer=None, preamble: bool = True) -> list[Example]:
-    """``n`` examples per (length, depth) cell, reproducible from ``seed``."""
+                  tokenizer=None, preamble: bool = True, chat=None) -> list[Example]:
+    """``n`` examples per (length, depth) cell, reproducible from ``seed`` (``chat``: see make_example)."""
     _check_kind(kind)
     tok = tokenizer or byte_tokenizer()
-    return [make_example(kind, int(L), float(d), _rng(seed, kind, L, round(d * 10000), i), tok, preamble)
+    return [make_example(kind, int(L), float(d), _rng(seed, kind, L, round(d * 10000), i), tok, preamble, chat)
             for L in lengths for d in depths for i in range(int(n))]
 
 

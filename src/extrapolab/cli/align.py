@@ -9,6 +9,7 @@
     extrapolab align experiment [--preset align-quick] [--out reports/align]   train + align + measure + report
     extrapolab align rope [--preset rope-quick] [--out reports/rope]   RoPE extensions vs temperature alignment
     extrapolab align head-scale RUN --length L [--out OUT]  NoPE head scale (Wang et al. 2024) -> a run folder
+    extrapolab align rope hf:FILE.gguf [--preset extend-quick]   the same methods on a pretrained RoPE model
 """
 from __future__ import annotations
 
@@ -258,16 +259,36 @@ def experiment(
 @app.command("rope")
 @friendly
 def rope(
-    preset: str = typer.Option("rope-quick", "--preset", "-p", help="rope-smoke (seconds) | rope-quick (CPU) | YAML file"),
+    model: Optional[str] = typer.Argument(None, help="hf:PATH (a local folder or GGUF file of a pretrained RoPE "
+                                          "model): compare the methods on its weights instead of training one"),
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="rope-smoke | rope-quick (default) | YAML; with "
+                                         "hf:PATH extend-smoke | extend-quick (default, ~90 min on 2 cores)"),
     out: Optional[Path] = typer.Option(None, "--out", help="report folder (default out_dir/name, e.g. reports/rope-quick)"),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set rope.n=8 (repeatable)"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set rope.n=8 or "
+                                             "extend.windows=2 (repeatable)"),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
 ):
-    """One rotary run; RoPE vs PI / NTK / dynamic NTK / YaRN / temperature alignment at 2-16x L_tr -> report.html (resumable)."""
-    from ..align.rope_study import run_rope_study
+    """RoPE vs PI / NTK / dynamic NTK / YaRN / Self-Extend / ReRoPE / log-n / temperature alignment on one
+    model: a rotary run trained here (2-16x L_tr), or hf:PATH at 1x, 2x, 4x its context -> report.html (resumable)."""
+    from ..io import UserError
 
-    _study(run_rope_study, preset, out, set_, device, dtype)
+    if model is None:
+        from ..align.rope_study import run_rope_study
+
+        if preset and preset.startswith("extend-"):
+            raise UserError(f"--preset {preset} studies a pretrained model; name it: extrapolab align rope hf:PATH "
+                            f"--preset {preset}")
+        _study(run_rope_study, preset or "rope-quick", out, set_, device, dtype)
+        return
+    from functools import partial
+
+    from ..align.extend_study import run_extend_study
+    from ..hf import is_hf_spec
+
+    if not is_hf_spec(model):
+        raise UserError(f"align rope takes a pretrained model as hf:PATH (a folder or a .gguf file); got {model!r}")
+    _study(partial(run_extend_study, model), preset or "extend-quick", out, set_, device, dtype)
 
 
 @app.command("head-scale")

@@ -182,6 +182,8 @@ def bench(
                                      "transformers forward over the same windows (time ratio, peak RSS)"),
     lengths: str = typer.Option("2048", "--lengths", help="--hf: comma-separated lengths"),
     windows: int = typer.Option(1, "--windows", help="--hf: windows per length (one per batch)"),
+    rope: Optional[List[str]] = typer.Option(None, "--rope", help="--hf: also E1 with this extension, timed against "
+                                             "plain E1 (repeatable; two-pass goal <= 2.2x), e.g. selfextend:3,2048"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
     from ..io import UserError, atomic_write_json
@@ -191,7 +193,7 @@ def bench(
         from .align import _ints
 
         res = bench_hf_eval(hf, _ints(lengths) or [2048], windows=windows, rounds=rounds or 3, device=device,
-                            threads=threads or None, say=lambda m: typer.echo(m, err=True))
+                            threads=threads or None, ropes=rope or [], say=lambda m: typer.echo(m, err=True))
         atomic_write_json(out, res)
         typer.echo(format_hf_eval(res))
         return

@@ -129,11 +129,13 @@ class HFCausalLM(nn.Module):
     def chunked(self) -> bool:
         return self.loaded.family in CHUNKED
 
-    def final_hidden(self, idx: torch.Tensor, positions=None, opts=None) -> torch.Tensor:
-        """idx [B, L] -> the hidden states the output head reads [B, L, C] (after the final norm)."""
+    def final_hidden(self, idx: torch.Tensor | None = None, positions=None, opts=None,
+                     inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """idx [B, L] (or inputs_embeds [B, L, C]) -> the hidden states the output head reads [B, L, C]
+        (after the final norm)."""
         if not self.chunked:
             raise UserError(f"{self.loaded.family} models are scored from full logits; call the model instead")
-        kw = self._inputs(idx, None)
+        kw = self._inputs(idx, inputs_embeds)
         with self._scope(positions, opts):
             h = self.hf.base_model(**kw, use_cache=False).last_hidden_state  # [B, P+L, C]
         return h[:, len(self.prefix):]

@@ -16,6 +16,13 @@ first (untimed, warm-up) call of each job runs inside ``extrapolab.memory.PeakMe
 the process (absolute, weights included) and its increase over the level before the call. The goals
 of the real-model study: E1 within 1.10x of the bare forward, and E1 on SmolLM2-135M at 16,384
 tokens under 2.5 GiB peak RSS (its [L, V] fp32 logit matrix alone is 3.2 GB).
+
+``--rope SPEC`` (repeatable) adds, per length, our E1 of the same model with that extension
+(``e1 SPEC``: e.g. ``selfextend:3,2048`` or ``rerope:1024+logn``, hf/load.py) to the same rounds,
+timed against plain E1: the third goal is that two-pass methods (Self-Extend, ReRoPE) cost at most
+2.2x plain. Such a model shares the plain model's parameter tensors (``load_state_dict(...,
+assign=True)``: same weights, one copy in memory), is loaded after the plain jobs' memory probes
+and dropped after its length, so every peak RSS counts one copy of the weights.
 """
 from __future__ import annotations
 
@@ -34,12 +41,22 @@ from .adapter import open_hf
 
 GOAL_RATIO = 1.10
 GOAL_RSS_GIB = 2.5
+GOAL_TWOPASS = 2.2
+TWOPASS = ("selfextend", "rerope")  # --rope parts that run the second attention pass
+
+
+def _with_rope(spec: str, rope: str, plain, **kw):
+    """``spec`` loaded with ``--rope rope``, its parameters replaced by ``plain``'s tensors (module doc)."""
+    model = open_hf(spec, rope=rope, **kw)
+    model.hf.load_state_dict(plain.hf.state_dict(), assign=True)
+    return model
 
 
 def bench_hf_eval(spec: str, lengths=(2048,), *, windows: int = 1, rounds: int = 3, device: str = "cpu",
-                  dtype: str = "fp32", threads: int | None = None, cache_dir=None, seed: int = 0,
+                  dtype: str = "fp32", threads: int | None = None, cache_dir=None, seed: int = 0, ropes=(),
                   say=lambda m: None) -> dict:
-    """{"meta": {...}, "rows": {str(L): {e1_s, bare_s (per round), ratio, e1/bare peak RSS, ppl}}}."""
+    """{"meta": {...}, "rows": {str(L): {e1_s, bare_s (per round), ratio, e1/bare peak RSS, ppl,
+    "ropes": {SPEC: {e1_s, ratio to plain E1, peak RSS, ppl}}}}}."""
     if rounds < 1 or windows < 1 or not lengths or min(int(L) for L in lengths) < 2:
         raise UserError(f"bench --hf needs rounds >= 1, windows >= 1 and lengths >= 2; got rounds={rounds}, "
                         f"windows={windows}, lengths={list(lengths)}")
@@ -70,17 +87,28 @@ def bench_hf_eval(spec: str, lengths=(2048,), *, windows: int = 1, rounds: int =
             bare()
         with PeakMemory(dev) as m_e1:
             res = e1()
-        say(f"bench --hf L={L}: {rounds} rotated rounds of e1 and bare")
-        times = round_robin({"e1": e1, "bare": bare}, rounds, dev)
+        jobs, extra = {"e1": e1, "bare": bare}, {}
+        for r in ropes:  # loaded now: the plain probes above saw one copy of the weights
+            mr = _with_rope(spec, r, model, device=device, dtype=dtype, cache_dir=cache_dir)
+            jobs[f"e1 {r}"] = lambda mr=mr: nonoverlapping(mr, stream, L, batch_size=1)
+            with PeakMemory(dev) as m_r:
+                extra[r] = {"res": jobs[f"e1 {r}"](), "mem": m_r}
+        say(f"bench --hf L={L}: {rounds} rotated rounds of {', '.join(jobs)}")
+        times = round_robin(jobs, rounds, dev)
         prov = provenance(dev, L=L, windows=windows, model=spec, dtype=dtype)
         rows[str(L)] = {"windows": windows, "e1_s": times["e1"], "bare_s": times["bare"],
                         "ratio": paired_ratio({**prov, "s": times["e1"]}, {**prov, "s": times["bare"]}, "s"),
                         "e1_peak_mib": m_e1.abs_mib, "e1_peak_delta_mib": m_e1.mib,
                         "bare_peak_mib": m_bare.abs_mib, "bare_peak_delta_mib": m_bare.mib,
-                        "memory_method": m_e1.method, "ppl": res["ppl"], "tokens": res["tokens"]}
+                        "memory_method": m_e1.method, "ppl": res["ppl"], "tokens": res["tokens"],
+                        "ropes": {r: {"e1_s": times[f"e1 {r}"], "ppl": x["res"]["ppl"], "peak_mib": x["mem"].abs_mib,
+                                      "ratio": paired_ratio({**prov, "s": times[f"e1 {r}"]}, {**prov, "s": times["e1"]},
+                                                            "s"), "twopass": any(t in r for t in TWOPASS)}
+                                  for r, x in extra.items()}}
+        del jobs, extra
     meta = {"model": spec, "name": model.loaded.name, "family": model.loaded.family, "vocab": V,
             "parameters": model.loaded.info.get("parameters"), "window_prefix": pre, "device": str(dev),
-            "dtype": dtype, "threads": torch.get_num_threads(), "rounds": rounds, "load_s": load_s,
+            "dtype": dtype, "threads": torch.get_num_threads(), "rounds": rounds, "load_s": load_s, "ropes": list(ropes),
             "gguf_cache": (model.loaded.info.get("gguf") or {}).get("cache"), "pid": os.getpid(),
             "stream": "seeded random token ids (timing does not depend on the text)",
             "baseline": "transformers model(input_ids, use_cache=False) under inference_mode, same windows",
@@ -106,5 +134,15 @@ def format_hf_eval(result: dict) -> str:
         goals.append(f"L={L}: E1 time {r['ratio']['median']:.2f}x bare ({'met' if ok_t else 'NOT met'}, goal <= "
                      f"{GOAL_RATIO:.2f}x); E1 peak RSS {r['e1_peak_mib'] / 1024:.2f} GiB "
                      f"({'met' if ok_m else 'NOT met'}, goal <= {GOAL_RSS_GIB} GiB for SmolLM2-135M at 16,384)")
+    ext = [(L, r, x) for L, row in result["rows"].items() for r, x in row.get("ropes", {}).items()]
+    if ext:
+        lines += ["", "| L | --rope | E1 s | ×plain E1 | peak RSS MiB | ppl |", "|---|---|---|---|---|---|"]
+        for L, r, x in ext:
+            lines.append(f"| {L} | {r} | {statistics.median(x['e1_s']):.2f} | {fmt_ratio(x['ratio'])} | "
+                         f"{x['peak_mib']:.0f} | {x['ppl']:.3f} |")
+            if x["twopass"]:
+                ok = x["ratio"]["median"] <= GOAL_TWOPASS
+                goals.append(f"L={L}: two-pass --rope {r}: E1 {x['ratio']['median']:.2f}x plain E1 "
+                             f"({'met' if ok else 'NOT met'}, goal <= {GOAL_TWOPASS}x)")
     return "\n".join(lines + [""] + goals + [f"(model load {m['load_s']:.1f} s, GGUF cache: {m['gguf_cache']})"
                                              if m.get("gguf_cache") else f"(model load {m['load_s']:.1f} s)"])

@@ -96,3 +96,23 @@ class HFCodec:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
+
+
+def chat_wrap(tokenizer) -> tuple[list[int], list[int]] | None:
+    """(head, tail): the ids the tokenizer's chat template puts before and after one user message,
+    up to the assistant's turn (``add_generation_prompt``); None when it has no chat template.
+    SmolLM2-Instruct: head = its system turn + "<|im_start|>user\\n", tail = "<|im_end|>\\n<|im_start|>assistant\\n"."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    mark = "\x00EXTRAPOLAB\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], add_generation_prompt=True,
+                                         tokenize=False)
+    if text.count(mark) != 1:
+        raise UserError("the tokenizer's chat template does not place the user's message once; score without "
+                        "the chat template (extend.passkey_chat=false)")
+    head, tail = text.split(mark)
+
+    def enc(s: str) -> list[int]:
+        return list(tokenizer(s, add_special_tokens=False)["input_ids"]) if s else []
+
+    return enc(head), enc(tail)

@@ -9,11 +9,18 @@ Here e_m is the HF model's token embedding (``get_input_embeddings()(idx)``), fe
 ``inputs_embeds`` with gradient; a learned position embedding (GPT-2) is added inside the model
 after it, so dL/d(token embedding) = dL/d(token + position), the quantity of the paper.
 Parameters are frozen for the call; memory is the HF model's own forward + backward at L_ex
-(sdpa: no L x L tensor for the RoPE / GPT-2 families).
+(sdpa: no L x L tensor for the RoPE / GPT-2 families). Only the last position's logits are formed
+where the head reads the final hidden state (hf/adapter.py ``CHUNKED``), not [L, V].
+``checkpoint=True`` recomputes each decoder layer in the backward pass through transformers' own
+``activation_checkpointing_enable`` (only the layers' inputs are kept: SmolLM2 at 8,192 tokens needs
+about 1.3 GB less per 1,000 tokens); transformers checkpoints only in training mode, so the model
+runs in it for the call, which changes nothing only when every dropout probability is zero -- a
+model with dropout is run without checkpointing (the record says which).
 """
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -26,8 +33,43 @@ from ..eval.core import model_device
 from ..io import UserError
 
 
-def hf_cumulative_gradient(model, segments, batch_size: int = 1) -> np.ndarray:
-    """c [N, L_ex] (float64) per segment for ``model`` (an ``HFCausalLM``) on segments [N, L_ex]."""
+def can_checkpoint(hf) -> bool:
+    """transformers can checkpoint the model's layers and training mode changes nothing: no dropout
+    module with p > 0 and no config field named like a dropout probability above 0."""
+    if not getattr(hf, "supports_gradient_checkpointing", False):
+        return False
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in hf.modules()):
+        return False
+    cfg = hf.config.to_dict()
+    return not any(isinstance(v, (int, float)) and v > 0 for k, v in cfg.items() if "dropout" in k or "pdrop" in k)
+
+
+@contextmanager
+def checkpointed(hf, enabled: bool = True):
+    """transformers' gradient checkpointing for the block (see module doc); yields whether it is on."""
+    if not (enabled and can_checkpoint(hf)):
+        yield False
+        return
+    was = hf.training
+    hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    hf.train()
+    try:
+        yield True
+    finally:
+        hf.activation_checkpointing_disable()
+        hf.train(was)
+
+
+def _last_logits(model, e: torch.Tensor, opts) -> torch.Tensor:
+    """Logits [B, V] of the last position for input embeddings e [B, L, C]."""
+    if getattr(model, "chunked", False):
+        return model.logits_from_hidden(model.final_hidden(inputs_embeds=e, opts=opts)[:, -1])  # [B, V]
+    return model(inputs_embeds=e, opts=opts)[:, -1]
+
+
+def hf_cumulative_gradient(model, segments, batch_size: int = 1, opts=None, checkpoint: bool = False) -> np.ndarray:
+    """c [N, L_ex] (float64) per segment for ``model`` (an ``HFCausalLM``) on segments [N, L_ex];
+    ``opts``: an AttnOptions (its temperature); ``checkpoint``: see module doc."""
     seg = as_segments(segments)
     N, L = seg.shape
     if L < 2:
@@ -47,9 +89,9 @@ def hf_cumulative_gradient(model, segments, batch_size: int = 1) -> np.ndarray:
             with torch.no_grad():
                 e = model.embed(idx)  # [B, L-1, C]
             e = e.detach().requires_grad_(True)
-            logits = model(inputs_embeds=e)  # [B, L-1, V]
-            nll = F.cross_entropy(logits[:, -1].float(), tgt, reduction="sum")
-            (g,) = torch.autograd.grad(nll, e)  # [B, L-1, C]
+            with checkpointed(model.hf, checkpoint):
+                nll = F.cross_entropy(_last_logits(model, e, opts).float(), tgt, reduction="sum")
+                (g,) = torch.autograd.grad(nll, e)  # [B, L-1, C]
             norms = g.detach().double().norm(dim=-1).cpu()  # [B, L-1]
             if bool((norms.sum(-1) == 0).any()):
                 raise UserError("the loss gradient w.r.t. every input embedding is zero; check the model")
@@ -62,16 +104,18 @@ def hf_cumulative_gradient(model, segments, batch_size: int = 1) -> np.ndarray:
     return torch.cat(rows).numpy()
 
 
-def hf_measure_erf(model, segments, threshold: float = 0.99, batch_size: int = 1) -> dict:
+def hf_measure_erf(model, segments, threshold: float = 0.99, batch_size: int = 1, opts=None,
+                   checkpoint: bool = False) -> dict:
     """ERF of the mean curve + per-segment mean, wall time and peak memory (like analysis.measure_erf)."""
     t0 = time.perf_counter()
     with PeakMemory(model_device(model)) as mem:
-        c_all = hf_cumulative_gradient(model, segments, batch_size)
+        c_all = hf_cumulative_gradient(model, segments, batch_size, opts, checkpoint)
     out = erf(c_all.mean(0), threshold)
     out.update({"c": c_all.mean(0),
                 "erf_tokens_per_segment_mean": float(np.mean([erf(r, threshold)["erf_tokens"] for r in c_all])),
                 "segments": int(c_all.shape[0]), "seconds": time.perf_counter() - t0,
-                "peak_memory_mb": mem.peak_mb, "peak_memory_method": mem.method})
+                "peak_memory_mb": mem.peak_mb, "peak_memory_method": mem.method,
+                "checkpointed": bool(checkpoint and can_checkpoint(model.hf))})
     return out
 
 

@@ -23,6 +23,12 @@ every layer's tau = 1 logits one query block at a time (the reference path): Alg
 statistics from the model's own q and k without eager [H, L, L] probabilities (hf/temperature.py
 ``HFBlockTarget``). The settings live in ``config.extrapolab_rope`` (a plain dict).
 
+A second forward keyword, ``extrapolab_layer_tau`` (:data:`CHOOSE_KWARG`), takes a callable
+``choose(layer, q, k, q_pos, k_pos, scheme, window) -> tau``: each layer hands it the q, k its
+logits come from (rotated, log-n applied, scaled, GQA heads repeated) and then attends at the tau
+it returns, so a statistic read off one layer's logits can set that layer's temperature before the
+next layer runs (Algorithm 1 in one forward, align/onepass.py).
+
 Causal language models only: the function is causal by position; a padding mask (a 2-D
 ``attention_mask`` with zeros) is refused by the registered mask function, since the keys are
 taken to be the positions that end at the last query (a full or sliding cache).
@@ -44,6 +50,7 @@ from ..positional.rotary import logn_scale
 
 ATTN = "extrapolab"  #: the attn_implementation name registered with transformers
 OPTS_KWARG = "extrapolab_opts"  #: forward keyword carrying an AttnOptions (temperature, logits sink)
+CHOOSE_KWARG = "extrapolab_layer_tau"  #: forward keyword: a callable choosing each layer's tau (module doc)
 TWOPASS = ("selfextend", "rerope", "rerope-leaky")
 
 
@@ -120,7 +127,14 @@ def extend_attention(module, query, key, value, attention_mask, dropout: float =
     window = kwargs.get("sliding_window")
     if window:  # Hugging Face's sliding window: keys at distance < window, as AttnOptions.window
         opts = replace(opts, window=int(window))
-    out, _ = attend(query, key, value, q_pos, k_pos, scheme, int(getattr(module, "layer_idx", 0) or 0), opts)
+    layer = int(getattr(module, "layer_idx", 0) or 0)
+    choose = kwargs.get(CHOOSE_KWARG)
+    if choose is not None:  # rotate (log-n) once, let the chooser read these q, k, attend at its tau
+        query, key = scheme.rotate(query, key, q_pos, k_pos)
+        tau = float(choose(layer, query, key, q_pos, k_pos, scheme, opts.window))
+        out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, replace(opts, temperature=tau), rotate=False)
+        return out.transpose(1, 2).contiguous(), None  # [B, Lq, H, D]
+    out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, opts)
     return out.transpose(1, 2).contiguous(), None  # [B, Lq, H, D]
 
 

@@ -191,9 +191,10 @@ def parse_rope(spec: str) -> RopeSpec:
     return RopeSpec(text, **out)
 
 
-def apply_rope(config, spec: str | RopeSpec) -> dict | None:
+def apply_rope(config, spec: str | RopeSpec, original: int | None = None) -> dict | None:
     """Rewrite ``config.rope_parameters`` for the spec's rewrite part (see module doc); returns the
-    new parameters (None when the spec has no rewrite, only checks that the model uses RoPE)."""
+    new parameters (None when the spec has no rewrite, only checks that the model uses RoPE).
+    ``original``: the pre-training length YaRN / llama3 scale from (default: the config's)."""
     spec = spec if isinstance(spec, RopeSpec) else parse_rope(spec)
     rp = getattr(config, "rope_parameters", None)
     if position_kind(config) != "rope" or not isinstance(rp, dict) or "rope_theta" not in rp:
@@ -203,7 +204,7 @@ def apply_rope(config, spec: str | RopeSpec) -> dict | None:
         return None
     kind, s = spec.rewrite
     keep = {k: rp[k] for k in ("rope_theta", "partial_rotary_factor") if k in rp}
-    orig = config_train_length(config)
+    orig = int(original) if original else config_train_length(config)
     if kind == "ntk":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * keep.get("partial_rotary_factor", 1.0))
@@ -285,7 +286,7 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
         raise UserError(f"cannot read {path}/config.json ({str(e).splitlines()[0]}); pass a folder written by "
                         "save_pretrained") from None
     spec = parse_rope(rope) if rope else None
-    rope_params = apply_rope(config, spec) if spec else None
+    rope_params = apply_rope(config, spec, train_length) if spec else None
     if (spec is not None and spec.extends) or attn == extend.ATTN:
         attn = extend.register()  # Self-Extend / ReRoPE / log-n / block statistics: our attention function
     kw = dict(config=config, local_files_only=True, dtype=torch_dtype)

@@ -1,0 +1,171 @@
+"""One cell of `extrapolab align rope hf:PATH` (:mod:`.extend_study`): one method at one length L.
+
+A method at L is a :class:`Setting`: a ``--rope`` text for :func:`extrapolab.hf.load_hf` (HF's own
+rope types through ``rope_parameters``; Self-Extend / ReRoPE / log-n through the extrapolab
+attention function) and a softmax temperature (one, or one per layer). The factor of every static
+method is s = L / L_ctx, L_ctx being the model's context (its config's ``max_position_embeddings``):
+what a user who wants L tokens would set. Cells whose settings coincide are computed once:
+
+* at L <= L_ctx, PI / NTK-aware / YaRN with s = 1, dynamic NTK (s = max(1, L/L_ctx)), log-n
+  (max(1, log(m+1)/log L_ctx) = 1 for m < L_ctx), Self-Extend with G = 1 and both temperature
+  rules (tau = 1) ARE plain RoPE; only ReRoPE (w = L_ctx/8 caps every distance) differs;
+* dynamic NTK recomputes s from the input length (HF's ``dynamic`` type, factor 1:
+  base·(L/L_ctx)^(d/(d-2))); every window here is one forward of exactly L tokens, so it is
+  NTK-aware with s = L/L_ctx (tests/test_extend_study.py checks the logits), the same cell.
+
+Per cell, on each corpus: E1, E3 and E4 from the SAME forwards (:func:`score_cell`): ``windows``
+windows of L tokens ending at fixed end tokens e_1..e_n (the same at every L, at least the longest
+L apart): E1 = perplexity of every prediction of those (disjoint) windows, E3 = perplexity of the
+end tokens, each predicted from the L tokens before it (``eval.last_token`` at L_ex = L + 1), E4 =
+mean NLL per position; and the perplexity of each window's last L_ctx predictions (``tail_ppl``):
+the very tokens the 1x cell scores, now read after L - L_ctx more tokens -- what "holds" compares
+(the first L - L_ctx predictions of a longer window are other text, so its E1 is not comparable
+with the 1x E1 on one window). Passkey (:func:`passkey_records`): the prompt plus the answer in one forward
+(teacher forcing); exact match of the argmax at the answer's positions, which is exact match of
+greedy decoding (the greedy path equals the answer iff every step's argmax is the answer's token).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..eval.core import evaluating, model_device, score_windows
+from ..eval.perplexity import ppl_of
+from ..io import UserError
+from ..model.attention import AttnOptions
+
+#: method -> label in the tables
+METHODS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
+           "yarn": "YaRN", "selfextend": "Self-Extend (w = L_ctx/4)", "rerope": "ReRoPE + log-n (w = L_ctx/8)",
+           "logn": "RoPE + log-n", "pmax": "τ: Alg. 1 P_max, per layer", "length": "τ: log L_ctx / log L"}
+E4_POINTS = 512  # the position-wise curve is stored as this many bin means
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one method runs at one length: ``rope`` (``--rope`` text, None = as loaded) and ``tau``."""
+
+    rope: str | None
+    tau: float | tuple = 1.0
+
+    def key(self) -> str:
+        return json.dumps([self.rope, self.tau])
+
+
+def _s(x: float) -> str:
+    return f"{x:g}"
+
+
+def setting(method: str, L: int, L_ctx: int, align_tau: dict | None = None) -> Setting:
+    """The :class:`Setting` of ``method`` at length ``L`` (module doc); ``align_tau``: {str(L): [tau
+    per layer]} from Algorithm 1 (needed by ``pmax`` beyond L_ctx)."""
+    ext, s = L > L_ctx, L / L_ctx
+    if method not in METHODS:
+        raise UserError(f"unknown extend.methods entry {method!r}; choose from {', '.join(METHODS)}")
+    if method == "rerope":  # Su's patch: w = 512 of 4,096, i.e. L_ctx/8, with log-n
+        return Setting(f"rerope:{max(1, L_ctx // 8)}+logn")
+    if not ext or method == "rope":
+        return Setting(None)
+    if method in ("pi", "ntk", "dynamic", "yarn"):
+        kind = {"pi": "linear", "dynamic": "ntk"}.get(method, method)  # dynamic = NTK at s = L/L_ctx (doc)
+        return Setting(f"{kind}:{_s(s)}")
+    if method == "selfextend":
+        w = max(1, L_ctx // 4)
+        G = max(1, math.ceil((L - w) / (L_ctx - w)))  # the smallest G whose (L_ctx - w)·G + w covers L
+        return Setting(f"selfextend:{G},{w}")
+    if method == "logn":
+        return Setting("logn")
+    if method == "length":
+        return Setting(None, math.log(L_ctx) / math.log(L))
+    taus = (align_tau or {}).get(str(L))
+    if taus is None:
+        raise UserError(f"no Algorithm 1 temperatures for length {L}; run the alignment stage first")
+    taus = tuple(float(t) for t in taus)
+    return Setting(None, taus[0] if len(set(taus)) == 1 else taus)  # one tau for all layers: a float
+
+
+class Models:
+    """One loaded ``HFCausalLM`` at a time, reloaded when the ``--rope`` text or attention changes."""
+
+    def __init__(self, spec: str, **load_kw) -> None:
+        self.spec, self.load_kw, self.key, self.model = spec, load_kw, None, None
+        self.loads = 0
+
+    def get(self, rope: str | None, attn: str = "sdpa"):
+        from ..hf import open_hf
+
+        if (rope, attn) != self.key:
+            self.model = None
+            gc.collect()
+            self.model = open_hf(self.spec, rope=rope, attn=attn, **self.load_kw)
+            self.key, self.loads = (rope, attn), self.loads + 1
+        return self.model
+
+
+def window_ends(n_tokens: int, longest: int, windows: int, what: str) -> np.ndarray:
+    """End tokens of the cells' windows: ``windows`` stream indices evenly spaced over
+    [longest, n_tokens - 1], at least ``longest`` apart (so the windows never overlap)."""
+    from ..eval.core import evenly_spaced
+
+    if n_tokens - 1 < longest:
+        raise UserError(f"{what} has {n_tokens} tokens, fewer than the longest length {longest} + 1; use a bigger "
+                        "corpus (data.max_bytes=0) or smaller extend.factors")
+    ends = evenly_spaced(longest, n_tokens - 1, windows)
+    if len(ends) < windows or (len(ends) > 1 and int(np.diff(ends).min()) < longest):
+        fit = (n_tokens - 1) // longest
+        raise UserError(f"{what} has {n_tokens} tokens: {windows} windows of {longest} do not fit apart; use "
+                        f"extend.windows <= {fit} or a bigger corpus")
+    return ends
+
+
+def score_cell(model, tokens, ends: np.ndarray, L: int, tau, tail: int | None = None) -> dict:
+    """E1, E3 and E4 of the windows of ``L`` tokens ending at ``ends`` (module doc), one forward each,
+    and the perplexity of their last ``tail`` predictions (L_ctx: the tokens the 1x cell scores)."""
+    opts = AttnOptions(temperature=list(tau) if isinstance(tau, tuple) else tau)
+    s = score_windows(model, tokens, np.asarray(ends) - L, L, 0, batch_size=1, opts=opts, per_position=True)
+    nll = s.pos_sum / s.pos_count  # [L]
+    tail = min(int(tail or L), L)
+    tail_nll = float(nll[L - tail:].mean())  # every position holds one prediction per window
+    width = max(1, L // E4_POINTS)
+    m = L // width * width
+    curve = nll[:m].reshape(-1, width).mean(1)  # [<= E4_POINTS]
+    return {"e1": ppl_of(s.mean_nll), "e1_nll": s.mean_nll, "tokens": int(s.count), "tail": tail,
+            "tail_ppl": ppl_of(tail_nll), "tail_nll": tail_nll,
+            "e3": ppl_of(float(nll[-1])), "e3_nll": float(nll[-1]), "e3_n": int(len(ends)),
+            "e4_bin": width, "e4_nll": [round(float(v), 5) for v in curve]}
+
+
+def passkey_records(model, examples, tau) -> list[dict]:
+    """Exact-match records of teacher-forced passkey examples (module doc), one forward each;
+    ``token_acc``: the fraction of the answer's tokens whose argmax (after the right ones) is right."""
+    opts = AttnOptions(temperature=list(tau) if isinstance(tau, tuple) else tau)
+    dev, out = model_device(model), []
+    with evaluating(model):
+        for ex in examples:
+            ids = torch.tensor([ex.prompt + ex.answer[:-1]], device=dev)  # [1, n - 1]
+            k = len(ex.answer)
+            if getattr(model, "chunked", False):
+                h = model.final_hidden(ids, opts=opts)[:, -k:]  # [1, k, C]
+                logits = model.logits_from_hidden(h)
+            else:
+                logits = model(ids, opts=opts)[:, -k:]  # [1, k, V]
+            pred = logits[0].argmax(-1).tolist()
+            out.append({"length": ex.target_length, "tokens": ex.length, "depth": ex.depth,
+                        "correct": bool(pred == ex.answer), "pred": pred, "answer": ex.answer,
+                        "token_acc": float(np.mean([a == b for a, b in zip(pred, ex.answer)]))})
+    return out
+
+
+def erf_record(model, segments, tau, checkpoint: bool = True) -> dict:
+    """ERF (Sandwich §5.1) of the last token of ``segments`` [N, L + 1] at the cell's temperature."""
+    from ..hf.erf import hf_measure_erf
+
+    opts = AttnOptions(temperature=list(tau) if isinstance(tau, tuple) else tau)
+    e = hf_measure_erf(model, segments, opts=opts, checkpoint=checkpoint)
+    return {"erf_tokens": int(e["erf_tokens"]), "segments": e["segments"], "peak_memory_mb": e["peak_memory_mb"],
+            "checkpointed": e["checkpointed"], "c": [round(float(v), 6) for v in e["c"]]}

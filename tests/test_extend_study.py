@@ -1,0 +1,237 @@
+"""`extrapolab align rope hf:PATH --preset extend-smoke` end to end on a tiny random Llama (L_ctx = 256,
+a chat template) and two small corpora, plus the facts the study relies on: dynamic NTK in one forward
+is NTK-aware at s = L/L_ctx, E1/E3/E4 from one forward per window equal the eval protocols,
+teacher-forced passkey scoring is greedy exact match, the checkpointed last-token ERF equals the
+plain gradient."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_tiny import TEXT, config, save_tiny, tokenizer  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from extrapolab.align.extend_cells import passkey_records, score_cell, setting  # noqa: E402
+from extrapolab.align.extend_study import load_extend_preset, run_extend_study  # noqa: E402
+from extrapolab.align.retrieval import greedy, make_examples  # noqa: E402
+from extrapolab.align.rules import GRID  # noqa: E402
+from extrapolab.cli.main import app  # noqa: E402
+from extrapolab.eval import last_token, nonoverlapping  # noqa: E402
+from extrapolab.hf import open_hf  # noqa: E402
+from extrapolab.hf.data import HFCodec, chat_wrap  # noqa: E402
+from extrapolab.io import UserError  # noqa: E402
+
+L_CTX = 256
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+METHODS = ["rope", "pi", "ntk", "dynamic", "yarn", "selfextend", "rerope", "logn", "pmax", "length"]
+
+
+def _tiny(folder):
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer()
+    tok.chat_template = CHAT
+    cfg = config("llama", len(tok))
+    cfg.max_position_embeddings = L_CTX
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and ("q_proj" in name or "k_proj" in name):
+                p.mul_(6.0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _corpora(tmp):
+    prose, code = tmp / "prose", tmp / "code"
+    prose.mkdir()
+    code.mkdir()
+    words = "the grass is green and the sky is blue while we go there and back again".split()
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        (prose / f"p{i:02d}.txt").write_text(" ".join(rng.choice(words, 300)) + ".\n")
+        (code / f"c{i:02d}.py").write_text(TEXT[(i * 37) % 400:] + f"\nx{i} = {i}\n")
+    return f"path:{prose}", f"path:{code}"
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("extend")
+    folder = _tiny(tmp / "llama")
+    prose, code = _corpora(tmp)
+    over = [f"data.cache_dir={tmp / 'cache'}", "data.test_percent=50", "data.valid_percent=5",
+            f"extend.corpora=[{prose},{code}]", f"extend.long_corpora=[{prose}]", "extend.passkey_lengths=[230]",
+            "train.device=cpu"]
+    res = run_extend_study(f"hf:{folder}", "extend-smoke", out=tmp / "out", overrides=over, progress=False)
+    return tmp, folder, over, res, (prose, code)
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_method_at_1x_and_2x_identical_cells_once(smoke):
+    _, _, _, res, (prose, code) = smoke
+    cells = res["results"]["cells"]
+    assert list(cells) == METHODS
+    for c in (prose, code):
+        one = {m: cells[m]["256"][c] for m in METHODS}
+        assert all(one[m]["same_as"] == "rope" for m in METHODS if m not in ("rope", "rerope"))
+        assert one["rerope"]["same_as"] is None and one["rerope"]["e1"] != one["rope"]["e1"]
+        assert len({one[m]["e1"] for m in METHODS if m != "rerope"}) == 1
+        two = {m: cells[m]["512"][c] for m in METHODS}
+        assert two["dynamic"]["same_as"] == "ntk" and two["dynamic"]["rope"] == "ntk:2"
+        computed = [m for m in METHODS if not two[m]["same_as"]]
+        assert computed == [m for m in METHODS if m != "dynamic"]
+        assert len({round(two[m]["e1"], 9) for m in computed}) == len(computed)  # each setting differs
+    two = {m: cells[m]["512"][prose] for m in METHODS}
+    assert (two["pi"]["rope"], two["yarn"]["rope"], two["selfextend"]["rope"]) == ("linear:2", "yarn:2", "selfextend:3,64")
+    assert two["rerope"]["rope"] == "rerope:32+logn" and two["length"]["tau"] == pytest.approx(math.log(256) / math.log(512))
+    taus = res["results"]["align_tau"]["512"]
+    assert len(taus) == 2 and all(t in GRID for t in taus) and res["results"]["align"]["512"]["peak_mib"]["512"] > 0
+    assert two["pmax"]["tau"] == (taus if len(set(taus)) > 1 else taus[0])
+
+
+def test_holds_long_lengths_passkey_and_erf_follow_the_rules(smoke):
+    _, _, _, res, (prose, code) = smoke
+    r = res["results"]
+    ratio = r["spec"]["hold_ratio"]
+    holds = r["holds"]["512"]
+    for m, h in holds.items():
+        want = {c: r["cells"][m]["512"][c]["tail_ppl"] / r["cells"]["rope"]["256"][c]["e1"] for c in (prose, code)}
+        assert h["ratio"] == pytest.approx(want) and h["holds"] == all(v <= ratio for v in want.values())
+    ok = sorted((m for m, h in holds.items() if h["holds"] and m != "dynamic"),
+                key=lambda m: np.mean(list(holds[m]["ratio"].values())))
+    assert r["long"]["1024"] == ok[:2]
+    for m in ok[:2]:
+        assert list(r["cells"][m]["1024"]) == [prose]  # 4x on the long corpus only
+    assert sorted(r["passkey"]["rope"]) == ["230", "256"]
+    assert {m for m in r["passkey"] if m != "rope"} == set(ok[:2])
+    assert all(len(recs) == 2 for byL in r["passkey"].values() for recs in byL.values())  # 2 depths x n = 1
+    assert list(r["erf"]) == ["rope", *ok[:1]] and all(e["checkpointed"] for e in r["erf"].values())
+    assert all(len(e["c"]) == 513 and 0 < e["erf_tokens"] <= 512 for e in r["erf"].values())
+
+
+def test_e1_e3_e4_of_one_forward_equal_the_protocols(smoke):
+    tmp, folder, _, res, (prose, _) = smoke
+    r = res["results"]
+    m = open_hf(f"hf:{folder}", device="cpu", dtype="fp32")
+    from extrapolab import config as C
+    from extrapolab.hf import hf_split
+
+    cfg = C.resolve(None, [f"data.cache_dir={tmp / 'cache'}", "data.test_percent=50", "data.valid_percent=5",
+                           f"data.corpus={prose}"])
+    tokens = hf_split(cfg.data, m.loaded.tokenizer, "test")
+    e = np.asarray(r["ends"][prose])
+    assert e.tolist() == [1024]  # one window; ends at the longest length read on this corpus
+    cell = r["cells"]["rope"]["512"][prose]
+    assert cell == {**score_cell(m, tokens, e, 512, 1.0, 256), "rope": None, "tau": 1.0, "same_as": None}
+    one = r["cells"]["rope"]["256"][prose]
+    assert one["tail"] == 256 and one["tail_ppl"] == pytest.approx(one["e1"], rel=1e-9)  # at 1x the tail is the window
+    from extrapolab.eval.core import score_windows
+
+    same = score_windows(m, tokens, [e[0] - 512], 512, 256, batch_size=1).mean_nll  # the 1x cell's targets
+    assert cell["tail"] == 256 and cell["tail_ppl"] == pytest.approx(math.exp(same), rel=1e-6)
+    assert cell["e1"] == pytest.approx(nonoverlapping(m, np.asarray(tokens[e[0] - 512:e[0] + 1]), 512)["ppl"], rel=1e-6)
+    assert cell["e3"] == pytest.approx(last_token(m, tokens, [513], n=1, max_length=1025)[513], rel=1e-5)
+    assert np.mean(cell["e4_nll"]) == pytest.approx(cell["e1_nll"], rel=1e-4) and cell["e3_n"] == 1
+
+
+def test_report_files_and_resume_through_the_cli(smoke):
+    tmp, folder, over, res, _ = smoke
+    out = res["out"]
+    for name in ("summary.md", "e1.md", "e1.csv", "e3.csv", "passkey.csv", "temperature.csv", "report.md",
+                 "results.json", "config.yaml"):
+        assert (out / name).is_file(), name
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 5  # E1 x 2 corpora, E4, passkey, ERF
+    assert (out / "tail.csv").is_file() and "token_acc" in (out / "passkey.csv").read_text()
+    md = (out / "report.md").read_text()
+    for needle in ("holds at 512 (2x)", "extend-smoke", "last-L_ctx ppl / plain RoPE", "Self-Extend", "dynamic NTK",
+                   "τ: Alg. 1 P_max", "Wall time", "sha256", "extrapolab align rope hf:"):
+        assert needle in md, needle
+    assert {row["method"] for row in _rows(out / "e1.csv")} == set(METHODS)
+    r = CliRunner().invoke(app, ["align", "rope", f"hf:{folder}", "--preset", "extend-smoke", "--out", str(out),
+                                 *sum((["--set", o] for o in over), [])])
+    assert r.exit_code == 0, r.output
+    again = json.loads((out / "results.json").read_text())
+    assert again["cells"] == json.loads(json.dumps(res["results"]["cells"]))
+    assert again["stage_seconds"] == pytest.approx(res["results"]["stage_seconds"])  # every cell reused
+    assert again["wall_s"] < res["wall_s"] and "RoPE (plain)" in r.output
+
+
+def test_dynamic_ntk_in_one_forward_is_ntk_aware(tmp_path):
+    folder = _tiny(tmp_path / "m")
+    ids = torch.from_numpy(np.asarray(tokenizer()(TEXT * 4)["input_ids"][:4 * L_CTX]))[None]
+    with torch.no_grad():
+        dyn = open_hf(f"hf:{folder}", rope="dynamic:1")(ids)
+        ntk = open_hf(f"hf:{folder}", rope="ntk:4")(ids)
+        plain = open_hf(f"hf:{folder}")(ids)
+    assert (dyn - ntk).abs().max() < 1e-4 < (dyn - plain).abs().max()
+    assert setting("dynamic", 4 * L_CTX, L_CTX) == setting("ntk", 4 * L_CTX, L_CTX)
+    yarn = open_hf(f"hf:{folder}", rope="yarn:2", train_length=64)  # extend.context: the L_tr YaRN scales from
+    assert yarn.hf.config.rope_parameters["original_max_position_embeddings"] == 64 == yarn.loaded.train_length
+
+
+def test_teacher_forced_passkey_is_greedy_exact_match_and_chat_wrapped(tmp_path):
+    folder = _tiny(tmp_path / "m")
+    m = open_hf(f"hf:{folder}", device="cpu", dtype="fp32")
+    head, tail = chat_wrap(m.loaded.tokenizer)
+    assert m.loaded.tokenizer.decode(tail) == "<|im_end|>\n<|im_start|>assistant\n"
+    ex = make_examples("passkey", [240], [0.0, 1.0], 1, 3, tokenizer=HFCodec(m.loaded.tokenizer), chat=(head, tail))
+    for e in ex:
+        assert e.prompt[:len(head)] == head and e.length <= 240
+        cut = len(e.prompt) - len(HFCodec(m.loaded.tokenizer).encode("The pass key is"))
+        assert e.prompt[cut - len(tail):cut] == tail
+        want = greedy(m, torch.tensor([e.prompt]), len(e.answer))[0].tolist()
+        e.answer = want  # the answer greedy decoding gives: teacher forcing must find it exactly
+    recs = passkey_records(m, ex, 1.0)
+    assert all(r["correct"] and r["pred"] == e.answer for r, e in zip(recs, ex))
+    ex[0].answer = [(ex[0].answer[0] + 1) % 300, *ex[0].answer[1:]]
+    assert not passkey_records(m, ex[:1], 1.0)[0]["correct"]
+
+
+def test_checkpointed_last_token_erf_is_the_gradient(tmp_path):
+    from extrapolab.hf.erf import hf_cumulative_gradient
+
+    m = open_hf(f"hf:{_tiny(tmp_path / 'm')}", device="cpu", dtype="fp32")
+    seg = np.asarray(tokenizer()(TEXT * 2)["input_ids"][:65])[None]
+    plain = hf_cumulative_gradient(m, seg)
+    assert np.allclose(hf_cumulative_gradient(m, seg, checkpoint=True), plain, atol=1e-10)
+    e = m.embed(torch.from_numpy(seg[:, :-1])).detach().requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(m.hf(inputs_embeds=e).logits[:, -1], torch.from_numpy(seg[:, -1]))
+    g = torch.autograd.grad(loss, e)[0].double().norm(dim=-1)[0]
+    want = (g / g.sum()).flip(0).cumsum(0).flip(0).numpy()
+    assert np.allclose(plain[0, :-1], want, atol=1e-9) and not m.hf.training
+    rerope = open_hf(f"hf:{tmp_path / 'm'}", device="cpu", dtype="fp32", rope="rerope:8+logn")  # the two-pass kernel
+    c = hf_cumulative_gradient(rerope, seg, checkpoint=True)
+    assert np.allclose(c, hf_cumulative_gradient(rerope, seg), atol=1e-10) and not np.allclose(c, plain, atol=1e-6)
+
+
+def test_bad_presets_and_models(tmp_path):
+    with pytest.raises(UserError, match="include rope"):
+        load_extend_preset("extend-smoke", ["extend.methods=[pi]"])
+    with pytest.raises(UserError, match="start at 1"):
+        load_extend_preset("extend-smoke", ["extend.full_factors=[2]"])
+    with pytest.raises(UserError, match="long_corpora"):
+        load_extend_preset("extend-smoke", ["extend.long_corpora=[pydoc]"])
+    for preset in ("extend-quick", "extend-smoke"):
+        cfg, spec = load_extend_preset(preset)
+        assert spec.full_factors == [1.0, 2.0] and spec.long_factors == [4.0]
+    gpt2 = save_tiny("gpt2", tmp_path / "gpt2")
+    r = CliRunner().invoke(app, ["align", "rope", f"hf:{gpt2}", "--preset", "extend-smoke", "--out",
+                                 str(tmp_path / "o"), "--set", f"data.cache_dir={tmp_path / 'c'}"])
+    assert r.exit_code == 2 and "RoPE model" in r.output
+    r = CliRunner().invoke(app, ["align", "rope", "--preset", "extend-quick"])
+    assert r.exit_code == 2 and "hf:PATH" in r.output
