@@ -17,7 +17,10 @@ equal to the reference. The paths, chosen by :func:`select_path`:
 * ``fallback``   :mod:`.reference` with each query block's dense mask in fused SDPA, for biases
                  that are not a function of m - n and positions that are not contiguous;
 * ``twopass``    :mod:`.twopass`, Self-Extend / ReRoPE (``scheme.second_pass()``): near and far
-                 passes fused, merged by log-sum-exp.
+                 passes fused, merged by log-sum-exp;
+* ``split``      schemes whose bias is a distance table only up to a query position T
+                 (``scheme.toeplitz_rows()``: FIRE up to L): the queries at m <= T on the Toeplitz path,
+                 the others as the fallback; attention rows are independent, so the outputs concatenate.
 
 Schemes with score-level hooks (``reference_only``: CoPE, DAPE, stick-breaking) always take the
 reference path, in query blocks of min(``block_size``, :data:`SCORE_BLOCK`) rows.
@@ -117,14 +120,16 @@ def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
 
 def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
                 same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32,
-                folded: bool = False, tau_rows: bool = False):
+                folded: bool = False, tau_rows: bool = False, split: int | None = None):
     """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
     q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
     first positions (a, c) of contiguous query / key positions, None where not contiguous;
     ``folded``: the scheme's bias has the ALiBi form (``alibi_slopes``) and the positions increase;
-    ``tau_rows``: the scheme's temperature varies over query positions. Schemes with positions from
-    content (``has_content``) never take the causal or Toeplitz paths.
+    ``tau_rows``: the scheme's temperature varies over query positions; ``split``: for schemes with
+    ``toeplitz_rows`` (FIRE), how many of the (increasing) queries lie at positions <= T, whose bias is
+    the distance table. Schemes with positions from content (``has_content``) never take the causal or
+    Toeplitz paths.
     """
     _, H, Lq, D = q_shape
     impl = opts.impl
@@ -147,8 +152,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     if bias_free and opts.window is None and same_pos and not blocked:
         return "causal", None
     a, c = starts
-    toeplitz = not dense_bias and is_toeplitz(scheme, allow_weight=True) and a is not None and c is not None \
-        and c <= a and not content and not tau_rows
+    plain = not dense_bias and a is not None and c is not None and c <= a and not content and not tau_rows
+    toeplitz = plain and (is_toeplitz(scheme, allow_weight=True) or (split is not None and split >= Lq))
     if folded and not dense_bias and (content or tau_rows or not toeplitz):
         return "folded", fold_block(opts.block_size, blocked)
     if toeplitz:
@@ -159,6 +164,9 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
             return "flex", None
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
+    if plain and split:  # queries up to T on the Toeplitz path, the rest as the fallback (rows per block)
+        tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
+        return "split", (tb if blocked or (impl == "auto" and split > tb) else None)
     return "fallback", block
 
 
@@ -213,9 +221,13 @@ def attend(
     folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows) \
         and _increasing(bias, q_pos) and _increasing(bias, k_pos)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    db, split = bias if isinstance(bias, DistanceBias) else None, None
+    if dense is None and starts[0] is not None and scheme.toeplitz_rows() is not None:
+        db = db or DistanceBias(scheme, q.device, table_dtype(q))
+        split = max(0, min(Lq, math.floor(db.toeplitz_rows(layer)) - starts[0] + 1))  # queries at a.. <= T
     path, block = select_path(q.device.type, scheme, opts, q.shape, Lk, same_pos=same and bias_free,
                               starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype,
-                              folded=folded, tau_rows=tau_rows)
+                              folded=folded, tau_rows=tau_rows, split=split)
     if path == "causal":
         if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
             q = q / tau_s[..., None].to(q.dtype)
@@ -231,8 +243,11 @@ def attend(
         return folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, base_scale=base, scale=scale,
                                 tau_rows=rows, window=opts.window, block=block, same=same), None
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
+    if path == "split":
+        return _split_rows(q, k, v, q_pos, k_pos, scheme, layer, opts, db, starts, split, block,
+                           scale=scale, tau=tau, tau_h=tau_h, tau_s=tau_s), None
     if path in ("toeplitz", "flex"):
-        db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, table_dtype(q))
+        db = db or DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
             try:
                 return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
@@ -248,3 +263,38 @@ def attend(
     return dense_attention(q, k, v, q_pos, k_pos, scheme, layer, tau=tau, window=opts.window, bias=dense,
                            block=block, fused=path == "fallback", need_probs=opts.need_probs,
                            sink=opts.logits_sink, content=content, tau_s=tau_s)
+
+
+def _split_rows(q, k, v, q_pos, k_pos, scheme, layer, opts, db: DistanceBias, starts, n: int, block, *,
+                scale, tau, tau_h, tau_s):
+    """The "split" path: queries 0..n-1 (positions a..a+n-1 <= T) on the Toeplitz path with the scheme's
+    distance table, queries n.. as the fallback with the scheme's dense bias of those rows. When every layer
+    shares the scheme's bias (not ``layer_dependent``) and it fits the memory budget, the dense rows' bias
+    is computed once per forward (``db.memo``) and shared; otherwise per query block. [B, H, Lq, D]."""
+    a, c = starts
+    Lq, Lk = q.shape[2], k.shape[2]
+    hi = min(Lk, a + n - c)  # keys after the last low query are masked for it
+    low = toeplitz_attention(q[:, :, :n], k[:, :, :hi], v[:, :, :hi], a, c, db, layer, scale=scale, tau=tau,
+                             window=opts.window, block=block, tau_h=tau_h)  # [B, H, n, D]
+    rows = Lq - n
+    per_row = q.shape[0] * q.shape[1] * Lk * 4  # bytes of one row's dense mask
+    hb = max(1, min(int(opts.block_size), TOEPLITZ_BLOCK, int(opts.memory_budget_mb * 2**20 // per_row)))
+    dense = None
+    if not scheme.layer_dependent and q.shape[1] * rows * Lk * 4 <= opts.memory_budget_mb * 2**20:
+        dense = db.memo(("split_rows", id(q_pos), id(k_pos), n),  # once per forward, for every layer
+                        lambda: (q_pos, k_pos, _block_bias(scheme, q_pos[n:], k_pos, layer, hb)))[2]
+    high, _ = dense_attention(q[:, :, n:], k, v, q_pos[n:], k_pos, scheme, layer, tau=tau, window=opts.window,
+                              bias=dense, block=hb, fused=True, tau_s=tau_s)  # [B, H, rows, D]
+    return torch.cat([low, high], dim=2)
+
+
+def _block_bias(scheme, q_pos, k_pos, layer: int, rows: int) -> torch.Tensor:
+    """[H, Lq, Lk] bias of increasing queries, computed per block of ``rows`` queries over the keys up to the
+    block's last one (what :func:`.reference.dense_attention` reads); the rest stays -inf."""
+    parts = []
+    for s in range(0, q_pos.numel(), rows):
+        qp = q_pos[s:s + rows]
+        hi = int(torch.searchsorted(k_pos, qp[-1:], right=True))
+        b = scheme.bias(qp, k_pos[:hi], layer)  # [H, bq, hi]
+        parts.append(F.pad(b, (0, k_pos.numel() - hi), value=-math.inf))
+    return torch.cat(parts, dim=1)

@@ -196,11 +196,12 @@ class GPT(nn.Module):
 
     def shared_bias(self, positions: torch.Tensor, opts: AttnOptions, cached: bool = False):
         """What one forward shares across its layers' ``attend``: one [H, L, L] bias for a bias that
-        is neither a distance table nor of the ALiBi form (when it fits the memory budget), else a
+        is neither a distance table (not even up to a position: FIRE) nor of the ALiBi form (when it fits
+        the memory budget), else a
         :class:`DistanceBias` (O(H·L) tables, position checks; per sub-scheme for hybrids)."""
         s, L = self.scheme, positions.numel()
         if not cached and s.has_bias and not s.layer_dependent and not is_toeplitz(s, allow_weight=True) \
-                and s.alibi_slopes(0) is None and not s.reference_only \
+                and s.alibi_slopes(0) is None and not s.reference_only and s.toeplitz_rows() is None \
                 and opts.impl in ("sdpa", "auto") and not self._too_big(L, opts):
             return s.bias(positions, positions, 0)  # [H, L, L] once for all layers
         tdt = torch.float64 if self.tok.weight.dtype == torch.float64 else torch.float32

@@ -31,6 +31,7 @@ from . import fox  # noqa: F401  positions from content: the Forgetting Transfor
 from . import headscale  # noqa: F401  NoPE with a learned temperature per head
 from . import hybrid  # noqa: F401  a scheme per layer: RoPE/NoPE hybrids
 from . import cope  # noqa: F401  score-level hook: contextual positions
+from . import fire  # noqa: F401  learned functional bias, progressive interpolation
 
 __all__ = [
     "PositionalScheme", "RelativeBias", "SchemeError", "ScoreBlock", "causal_distance",
