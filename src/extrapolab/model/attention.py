@@ -48,6 +48,9 @@ IMPLS = ("auto", "sdpa", "plain", "blocked", "flex")
 #: query rows per block for schemes with score-level hooks: a block over keys up to its last query
 #: holds L·rows/2 masked entries, so small blocks skip most of the upper triangle (chosen by hand)
 SCORE_BLOCK = 64
+#: query rows per dense block of the split path (FIRE beyond L): the block's bias and the temporaries of
+#: computing it stay near 32·rows·keys bytes (chosen by hand; any size is exact)
+SPLIT_BLOCK = 256
 
 
 def flush_denormals(enable: bool = True) -> bool:
@@ -278,7 +281,7 @@ def _split_rows(q, k, v, q_pos, k_pos, scheme, layer, opts, db: DistanceBias, st
                              window=opts.window, block=block, tau_h=tau_h)  # [B, H, n, D]
     rows = Lq - n
     per_row = q.shape[0] * q.shape[1] * Lk * 4  # bytes of one row's dense mask
-    hb = max(1, min(int(opts.block_size), TOEPLITZ_BLOCK, int(opts.memory_budget_mb * 2**20 // per_row)))
+    hb = max(1, min(int(opts.block_size), SPLIT_BLOCK, int(opts.memory_budget_mb * 2**20 // per_row)))
     dense = None
     if not scheme.layer_dependent and q.shape[1] * rows * Lk * 4 <= opts.memory_budget_mb * 2**20:
         dense = db.memo(("split_rows", id(q_pos), id(k_pos), n),  # once per forward, for every layer

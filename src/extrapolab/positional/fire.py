@@ -130,7 +130,7 @@ class FIRE(RelativeBias):
         """f_θ(x) [H, ...] through :meth:`pieces`: one piece index per x, then α_s + β_s·x per head (two
         1-D gathers and one multiply-add; no [..., width] hidden tensor)."""
         t, alpha, beta = self.pieces(layer)
-        s = torch.bucketize(x.detach().contiguous(), t.to(x.dtype).contiguous()).reshape(-1)  # [N] piece of each x
+        s = torch.bucketize(x.detach().contiguous(), t.to(x.dtype).contiguous(), out_int32=True).reshape(-1)  # [N]
         flat = x.reshape(-1)
         alpha, beta = alpha.to(x.dtype), beta.to(x.dtype)
         if torch.is_grad_enabled() and (x.requires_grad or alpha.requires_grad):
