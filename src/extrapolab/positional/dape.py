@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import PositionalScheme, SchemeError
+from .base import PositionalScheme, RelativeBias, SchemeError
 from .registry import REGISTRY, build, register, scheme_params
 
 #: model sizes DAPE passes on to a base scheme that takes them (FIRE: layers, L_tr)
@@ -96,7 +96,11 @@ class DAPE(PositionalScheme):
         return self.base.rotate(q, k, q_pos, k_pos)
 
     def bias(self, q_pos, k_pos, layer=0):
-        return self.base.bias(q_pos, k_pos, layer) if self.base.has_bias else None
+        if not self.base.has_bias:
+            return None
+        if isinstance(self.base, RelativeBias):  # in the weights' precision (fp64 in exactness tests)
+            return self.base.bias(q_pos, k_pos, layer, dtype=self.w1.dtype)
+        return self.base.bias(q_pos, k_pos, layer)
 
     def temperature(self, q_pos, layer=0):
         return self.base.temperature(q_pos, layer)

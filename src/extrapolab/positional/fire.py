@@ -166,7 +166,7 @@ class FIRE(RelativeBias):
         off = int(q_pos[0]) - int(k_pos[0])  # a - c
         top = off + Lq - 1
         psi = self.psi(torch.arange(max(top, 0) + 1, device=q_pos.device, dtype=dt), layer)  # [top+1]
-        vec = torch.cat([psi.flip(0)[max(0, -top):] if top >= 0 else psi[:0], psi.new_zeros(Lq + Lk)])
+        vec = torch.cat([psi.flip(0) if top >= 0 else psi[:0], psi.new_zeros(Lq + Lk + max(0, -top))])
         hank = vec.as_strided((Lq, Lk), (1, 1), vec.storage_offset() + max(0, -top))  # [Lq, Lk], rows reversed
         b = self.piecewise((hank * inv.flip(0)[:, None]).flip(0), layer)  # [H, Lq, Lk]
         j0 = max(0, off + 1)  # the first key column that is in the future of some query
