@@ -184,3 +184,28 @@ def test_fire_has_no_trf_formula_and_says_why():
 
     rows = trf(positional.build("fire", 2), 0.01, n=2**10)
     assert all(r["converges"] is None and "query" in r["method"] for r in rows)
+
+
+def test_analyze_bias_draws_fire_per_query_position(tmp_path):
+    """`extrapolab analyze bias fire`: the heat map, the last row (the row of the last query) and the learned
+    curve per layer and head at several query positions; each curve is that query's row of ``bias``."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from extrapolab.analysis import bias as A3
+    from extrapolab.cli.main import app
+
+    res = CliRunner().invoke(app, ["analyze", "bias", "fire", "--heads", "2", "--length", "200", "--out",
+                                   str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert any("fire_query_curves" in f for f in out["figures"])
+    s = _fire()
+    pos = A3.query_positions(s, 100)
+    assert 27 in pos and 54 in pos and 99 in pos  # L = 27.4 and 2L among them
+    curves = A3.query_curves(s, pos, 1)
+    for m, c in curves.items():
+        row = s.bias(torch.tensor([m]), torch.arange(m + 1), 1)[:, 0].detach()
+        torch.testing.assert_close(torch.from_numpy(c), row.flip(-1).double())
+    torch.testing.assert_close(torch.from_numpy(A3.distance_curve(s, 100, 1)), torch.from_numpy(curves[99]))
