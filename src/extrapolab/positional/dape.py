@@ -49,7 +49,7 @@ _SIZES = ("layers", "original_length")
 class DAPE(PositionalScheme):
     name = "dape"
     kind = "score"
-    paper = ("Zheng et al. 2024 (DAPE, NeurIPS) §3: z + B + MLP([z; B]) across heads; DAPE V2 (arXiv 2410.04798) §3: "
+    paper = ("Zheng et al. 2024 (DAPE, NeurIPS) §3: z + B + MLP(z, B) across heads; DAPE V2 (arXiv 2410.04798) §3: "
              "a 1×3 convolution over keys")
     summary = "base bias plus an MLP (or 1×3 convolution, kernel=3) of every head's score and bias per cell"
     reference_only = ("DAPE's MLP mixes every head's score q·k and bias at each (query, key) (V2: and neighbouring "
