@@ -18,7 +18,7 @@ equal to the reference. The paths, chosen by :func:`select_path`:
                  that are not a function of m - n and positions that are not contiguous;
 * ``twopass``    :mod:`.twopass`, Self-Extend / ReRoPE (``scheme.second_pass()``): near and far
                  passes fused, merged by log-sum-exp;
-* ``split``      schemes whose bias is a distance table only up to a query position T
+* ``split``      :mod:`.split`, schemes whose bias is a distance table only up to a query position T
                  (``scheme.toeplitz_rows()``: FIRE up to L): the queries at m <= T on the Toeplitz path,
                  the others as the fallback; attention rows are independent, so the outputs concatenate.
 
@@ -40,6 +40,7 @@ from ..positional.base import PositionalScheme
 from . import flex
 from .folded import fold_block, folded_attention, token_positions
 from .reference import LogitsSink, dense_attention, scheme_tau
+from .split import split_attention
 from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
 from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
 from .twopass import twopass_attention
@@ -48,9 +49,6 @@ IMPLS = ("auto", "sdpa", "plain", "blocked", "flex")
 #: query rows per block for schemes with score-level hooks: a block over keys up to its last query
 #: holds L·rows/2 masked entries, so small blocks skip most of the upper triangle (chosen by hand)
 SCORE_BLOCK = 64
-#: query rows per dense block of the split path (FIRE beyond L): the block's bias and the temporaries of
-#: computing it stay near 32·rows·keys bytes (chosen by hand; any size is exact)
-SPLIT_BLOCK = 256
 
 
 def flush_denormals(enable: bool = True) -> bool:
@@ -247,8 +245,9 @@ def attend(
                                 tau_rows=rows, window=opts.window, block=block, same=same), None
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "split":
-        return _split_rows(q, k, v, q_pos, k_pos, scheme, layer, opts, db, starts, split, block,
-                           scale=scale, tau=tau, tau_h=tau_h, tau_s=tau_s), None
+        return split_attention(q, k, v, q_pos, k_pos, scheme, layer, db, starts, split, block, scale=scale,
+                               tau=tau, tau_h=tau_h, tau_s=tau_s, window=opts.window, block_size=opts.block_size,
+                               memory_budget_mb=opts.memory_budget_mb), None
     if path in ("toeplitz", "flex"):
         db = db or DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
@@ -266,38 +265,3 @@ def attend(
     return dense_attention(q, k, v, q_pos, k_pos, scheme, layer, tau=tau, window=opts.window, bias=dense,
                            block=block, fused=path == "fallback", need_probs=opts.need_probs,
                            sink=opts.logits_sink, content=content, tau_s=tau_s)
-
-
-def _split_rows(q, k, v, q_pos, k_pos, scheme, layer, opts, db: DistanceBias, starts, n: int, block, *,
-                scale, tau, tau_h, tau_s):
-    """The "split" path: queries 0..n-1 (positions a..a+n-1 <= T) on the Toeplitz path with the scheme's
-    distance table, queries n.. as the fallback with the scheme's dense bias of those rows. When every layer
-    shares the scheme's bias (not ``layer_dependent``) and it fits the memory budget, the dense rows' bias
-    is computed once per forward (``db.memo``) and shared; otherwise per query block. [B, H, Lq, D]."""
-    a, c = starts
-    Lq, Lk = q.shape[2], k.shape[2]
-    hi = min(Lk, a + n - c)  # keys after the last low query are masked for it
-    low = toeplitz_attention(q[:, :, :n], k[:, :, :hi], v[:, :, :hi], a, c, db, layer, scale=scale, tau=tau,
-                             window=opts.window, block=block, tau_h=tau_h)  # [B, H, n, D]
-    rows = Lq - n
-    per_row = q.shape[0] * q.shape[1] * Lk * 4  # bytes of one row's dense mask
-    hb = max(1, min(int(opts.block_size), SPLIT_BLOCK, int(opts.memory_budget_mb * 2**20 // per_row)))
-    dense = None
-    if not scheme.layer_dependent and q.shape[1] * rows * Lk * 4 <= opts.memory_budget_mb * 2**20:
-        dense = db.memo(("split_rows", id(q_pos), id(k_pos), n),  # once per forward, for every layer
-                        lambda: (q_pos, k_pos, _block_bias(scheme, q_pos[n:], k_pos, layer, hb)))[2]
-    high, _ = dense_attention(q[:, :, n:], k, v, q_pos[n:], k_pos, scheme, layer, tau=tau, window=opts.window,
-                              bias=dense, block=hb, fused=True, tau_s=tau_s)  # [B, H, rows, D]
-    return torch.cat([low, high], dim=2)
-
-
-def _block_bias(scheme, q_pos, k_pos, layer: int, rows: int) -> torch.Tensor:
-    """[H, Lq, Lk] bias of increasing queries, computed per block of ``rows`` queries over the keys up to the
-    block's last one (what :func:`.reference.dense_attention` reads); the rest stays -inf."""
-    parts = []
-    for s in range(0, q_pos.numel(), rows):
-        qp = q_pos[s:s + rows]
-        hi = int(torch.searchsorted(k_pos, qp[-1:], right=True))
-        b = scheme.bias(qp, k_pos[:hi], layer)  # [H, bq, hi]
-        parts.append(F.pad(b, (0, k_pos.numel() - hi), value=-math.inf))
-    return torch.cat(parts, dim=1)
