@@ -118,11 +118,17 @@ class DAPE(PositionalScheme):
         if not 0 <= int(layer) < self.layers:
             raise SchemeError(f"dape has weights for {self.layers} layers but layer {layer} attends; build it with "
                               "layers = the model's depth (GPT passes model.layers)")
-        g, P = int(layer), self.kernel // 2
-        x = z if b is None else torch.cat([z, b.to(z.dtype).expand(z.shape[0], self.num_heads, -1, -1)], 1)  # [B, C, bq, bk]
-        w1, b1, w2, b2 = (t[g].to(x.dtype) for t in (self.w1, self.b1, self.w2, self.b2))
-        if P == 0:  # DAPE: one MLP per cell, channels = heads
-            return F.conv2d(F.leaky_relu(F.conv2d(x, w1, b1)), w2, b2)  # [B, H, bq, bk]
+        g, P, H = int(layer), self.kernel // 2, self.num_heads
+        w1, b1, w2, b2 = (t[g].to(z.dtype) for t in (self.w1, self.b1, self.w2, self.b2))
+        if P == 0:  # DAPE: one MLP per cell, channels last; the bias half of the first layer once for the batch
+            pre = F.linear(z.movedim(1, -1), w1[:, :H, 0, 0])  # [B, bq, bk, W]
+            if b is not None:
+                bb = b.to(z.dtype).expand(H, -1, -1).movedim(0, -1)  # [bq, bk, H]
+                pre = pre + F.linear(bb, w1[:, H:, 0, 0], b1)  # + [bq, bk, W]
+            else:
+                pre = pre + b1
+            return F.linear(F.leaky_relu(pre), w2[:, :, 0, 0], b2).movedim(-1, 1)  # [B, H, bq, bk]
+        x = z if b is None else torch.cat([z, b.to(z.dtype).expand(z.shape[0], H, -1, -1)], 1)  # [B, C, bq, bk]
         x = x.masked_fill(~visible, 0.0)  # future (and out-of-window) keys are zeros, as the official tril
         hid = F.leaky_relu(F.conv2d(F.pad(x, (P, 2 * P)), w1, b1))  # [B, W, bq, bk + P]: hidden past the last key too
         return F.conv2d(F.pad(hid, (P, 0)), w2, b2)  # [B, H, bq, bk]; the hidden layer is 0 before key 0
