@@ -82,3 +82,23 @@ def test_dape_layout_and_bad_bases():
         with pytest.raises(SchemeError) as err:
             positional.build("dape", 4, **bad)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_keys_in_chunks_give_the_same_scores(kernel, monkeypatch):
+    """Long rows go through the MLP in chunks of keys (V2 with its halo of neighbouring keys): the same
+    logits and gradients as one chunk."""
+    from extrapolab.positional import dape as D
+
+    s = positional.build("dape-alibi", 4, layers=1, width=6, kernel=kernel).double()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 30, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    pos = torch.arange(30)
+    whole, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(block_size=8))
+    gw = torch.autograd.grad(whole.sum(), [q, *s.parameters()])
+    for keys in (1, 4, 7):
+        monkeypatch.setattr(D, "HIDDEN_ELEMS", 2 * 8 * 6 * keys)  # B·bq·width·keys: chunks of `keys` keys
+        part, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(block_size=8))
+        torch.testing.assert_close(part, whole, rtol=0, atol=1e-12)
+        for a, b in zip(torch.autograd.grad(part.sum(), [q, *s.parameters()]), gw):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)

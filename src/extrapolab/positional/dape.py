@@ -41,8 +41,8 @@ from torch import nn
 from .base import PositionalScheme, RelativeBias, SchemeError
 from .registry import REGISTRY, build, register, scheme_params
 
-#: model sizes DAPE passes on to a base scheme that takes them (FIRE: layers, L_tr)
-_SIZES = ("layers", "original_length")
+#: elements of the MLP's hidden layer per chunk of keys (memory, not results: any size is exact)
+HIDDEN_ELEMS = 1 << 19
 
 
 @register
@@ -114,24 +114,33 @@ class DAPE(PositionalScheme):
     # ---- the data-adaptive term --------------------------------------------------------------------
     def adaptive(self, z: torch.Tensor, b: torch.Tensor | None, visible: torch.Tensor, layer: int) -> torch.Tensor:
         """f([z; B]) [B, H, bq, bk] of scores z [B, H, bq, bk] and bias b [H|1, bq, bk] (0 where not visible;
-        None without a bias); ``visible`` [bq, bk] is the causal/window mask (V2 zeroes the rest)."""
+        None without a bias); ``visible`` [bq, bk] is the causal/window mask (V2 zeroes the rest). Keys go in
+        chunks whose hidden layer [B, width, bq, chunk] stays near HIDDEN_ELEMS elements."""
         if not 0 <= int(layer) < self.layers:
             raise SchemeError(f"dape has weights for {self.layers} layers but layer {layer} attends; build it with "
                               "layers = the model's depth (GPT passes model.layers)")
         g, P, H = int(layer), self.kernel // 2, self.num_heads
         w1, b1, w2, b2 = (t[g].to(z.dtype) for t in (self.w1, self.b1, self.w2, self.b2))
+        B, _, bq, bk = z.shape
+        step = max(1, HIDDEN_ELEMS // (B * bq * self.width))  # keys per chunk
+        bb = None if b is None else b.to(z.dtype).expand(H, -1, -1)  # [H, bq, bk]
         if P == 0:  # DAPE: one MLP per cell, channels last; the bias half of the first layer once for the batch
-            pre = F.linear(z.movedim(1, -1), w1[:, :H, 0, 0])  # [B, bq, bk, W]
-            if b is not None:
-                bb = b.to(z.dtype).expand(H, -1, -1).movedim(0, -1)  # [bq, bk, H]
-                pre = pre + F.linear(bb, w1[:, H:, 0, 0], b1)  # + [bq, bk, W]
-            else:
-                pre = pre + b1
-            return F.linear(F.leaky_relu(pre), w2[:, :, 0, 0], b2).movedim(-1, 1)  # [B, H, bq, bk]
-        x = z if b is None else torch.cat([z, b.to(z.dtype).expand(z.shape[0], H, -1, -1)], 1)  # [B, C, bq, bk]
-        x = x.masked_fill(~visible, 0.0)  # future (and out-of-window) keys are zeros, as the official tril
-        hid = F.leaky_relu(F.conv2d(F.pad(x, (P, 2 * P)), w1, b1))  # [B, W, bq, bk + P]: hidden past the last key too
-        return F.conv2d(F.pad(hid, (P, 0)), w2, b2)  # [B, H, bq, bk]; the hidden layer is 0 before key 0
+            outs = []
+            for j0 in range(0, bk, step):
+                pre = F.linear(z[..., j0:j0 + step].movedim(1, -1), w1[:, :H, 0, 0])  # [B, bq, c, W]
+                pre = pre + (b1 if bb is None else F.linear(bb[..., j0:j0 + step].movedim(0, -1), w1[:, H:, 0, 0], b1))
+                outs.append(F.linear(F.leaky_relu(pre), w2[:, :, 0, 0], b2).movedim(-1, 1))  # [B, H, bq, c]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+        x = z if bb is None else torch.cat([z, bb.expand(B, -1, -1, -1)], 1)  # [B, C, bq, bk]
+        x = F.pad(x.masked_fill(~visible, 0.0), (2 * P, 2 * P))  # future/out-of-window keys are zeros (official tril)
+        outs = []
+        for j0 in range(0, bk, step):
+            j1 = min(bk, j0 + step)
+            hid = F.leaky_relu(F.conv2d(x[..., j0:j1 + 4 * P], w1, b1))  # [B, W, bq, c + 2P]: hidden at keys j0-P..j1+P-1
+            if j0 < P:  # the official hidden layer is zero-padded before key 0
+                hid = torch.cat([hid.new_zeros(*hid.shape[:3], P - j0), hid[..., P - j0:]], -1)
+            outs.append(F.conv2d(hid, w2, b2))  # [B, H, bq, c]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
     def scores(self, logits, block):
         return logits + self.adaptive(block.qk, block.bias, block.visible, block.layer).to(logits.dtype)
