@@ -15,7 +15,8 @@ from extrapolab.model.gpt import GPT, ModelConfig
 from flexspy import eager_dense_calls
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention")
-BIAS_SCHEMES = [n for n in positional.names() if positional.build(n, num_heads=1).has_bias]
+BIAS_SCHEMES = [n for n in positional.names()  # score-level schemes (DAPE) never take FlexAttention
+                if positional.build(n, num_heads=1).has_bias and not positional.build(n, num_heads=1).reference_only]
 
 
 def _scheme(name, heads=3, seed=3):
@@ -112,8 +113,10 @@ def test_flex_selection_rules():
     for name in positional.names():
         s = positional.build(name, num_heads=4)
         folded = s.has_content or s.alibi_slopes() is not None  # what attend() finds at increasing positions
+        rows = s.toeplitz_rows()  # FIRE: queries at positions <= L see the distance table (L = 512 here)
+        split = None if rows is None else max(0, min(512, int(float(rows[0])) + 1))
         for dev in ("cpu", "cuda"):
-            path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, folded=folded, **kw)
+            path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, folded=folded, split=split, **kw)
             biased = s.has_bias or s.has_weight
             want = ("flex" if dev == "cuda" and flex.supported("cuda", 64, torch.float32) else "toeplitz") \
                 if biased else "twopass" if s.second_pass() is not None else "causal"  # Self-Extend / ReRoPE

@@ -190,3 +190,23 @@ def test_new_hooks_bench_against_nope_and_say_why_a_scheme_is_not_fused():
     for want in ("positions from content <= 1.30x", "score-level (reference path) <= 3.00x",
                  "learned temperature <= 1.10x", "positions from content <= 1.50x NoPE per forward at L = 4096"):
         assert want in goals, goals
+
+
+def test_fire_dape_and_stick_breaking_bench_with_their_goals_and_reasons():
+    """FIRE (Toeplitz up to L, dense beyond: fused kernels, no reason printed), DAPE and stick-breaking
+    (reference path: the reason in rows and table); FIRE's goals are the 1.30x train step and 1.5x forward,
+    the score-level schemes' the 3x train step."""
+    res = run_bench(["fire", "dape-alibi", "stick-breaking"], lengths_train=(16,), long_lengths=(64,), model_cfg=TINY,
+                    repeats=1, warmup=0, batch_tokens=32, threads=1, progress=False, groups=("train", "long"))
+    rows, long = res["train"]["16"], res["long"]["64"]
+    assert "unfused" not in rows["fire"] and "unfused" not in long["fire"]
+    assert "MLP" in rows["dape-alibi"]["unfused"] and "softmax" in long["stick-breaking"]["unfused"]
+    table = format_table(res)
+    assert "- dape-alibi: reference path, no fused kernel: DAPE's MLP" in table
+    assert "- stick-breaking: reference path, no fused kernel: stick-breaking" in table
+    res["train"]["512"] = res["train"].pop("16")
+    res["long"]["4096"] = res["long"].pop("64")
+    goals = "\n".join(check_goals(res))
+    assert "Toeplitz up to L (FIRE) <= 1.30x NoPE per train step" in goals and "(fire " in goals
+    assert "Toeplitz up to L (FIRE) <= 1.50x NoPE per forward at L = 4096" in goals
+    assert "score-level (reference path) <= 3.00x" in goals and "dape-alibi" in goals and "stick-breaking" in goals

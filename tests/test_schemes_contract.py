@@ -32,6 +32,9 @@ OPTION_VARIANTS = [
     ("smoothed-sandwich", {"fit_window": 50, "fit_start": 0}),
     ("sliding-dilated", {"C": 3}),
     ("rotary", {"base": 500.0}),
+    ("fire", {"shared": True}),  # FIRE-Shared: one f_θ for every layer, dense rows beyond L built once per forward
+    ("dape-alibi", {"kernel": 3}),  # DAPE V2: a 1×3 convolution over keys (future keys enter as zeros)
+    ("stick-breaking", {"attend_current": True}),
 ]
 USER = "contract-user-b-per-head"  # a user callable, registered only while its case runs
 

@@ -11,6 +11,10 @@
 * FoX (Lin et al. 2025 §2): the bias depends on the text, so it is drawn from a trained model on a
   text: the per-token forget gate f_t per layer and head, and the last query's bias row
   Σ_{l=n+1..m} log f_l (``content_gates``, ``plot_gates``, ``gate_summary``).
+* FIRE (Li et al. 2024 §3): the bias depends on the query position too (distances normalised by
+  ψ(max(L, m))), so a "curve by distance" is the row of one query: ``distance_curve`` reads the row of
+  the query at max_distance - 1 for schemes that are not ``relative``, and ``plot_query_curves`` draws
+  the learned curve per layer and head at several query positions (``query_curves``).
 
 Heat maps subsample positions (``max_points`` per axis) through ``scheme.bias`` for those
 positions only, so an 8192 x 8192 picture never builds the full matrix.
@@ -39,14 +43,67 @@ def _needs_bias(scheme) -> None:
 
 
 def distance_curve(scheme, max_distance: int, layer: int = 0) -> np.ndarray:
-    """bias_h(k) for k = 0..max_distance-1 in float64: [H, K] (-inf where masked)."""
+    """bias_h(k) for k = 0..max_distance-1 in float64: [H, K] (-inf where masked). For a scheme whose bias
+    also depends on the query position (not ``relative``: FIRE), the row of the query at max_distance - 1."""
     _needs_bias(scheme)
     k = np.arange(int(max_distance))
     if hasattr(scheme, "curve"):
         return np.asarray(scheme.curve(k), dtype=np.float64)
     with torch.no_grad():
         kt = torch.from_numpy(k).to(scheme_device(scheme))
+        if not scheme.relative:
+            return scheme.bias(kt[-1:], kt, layer)[:, 0].flip(-1).detach().double().cpu().numpy()  # [H, K] by distance
         return scheme.bias_from_distance(kt, layer).detach().double().cpu().numpy()
+
+
+def query_positions(scheme, length: int) -> list[int]:
+    """Query positions to draw a position-dependent curve at: a few fractions of ``length`` and, for a scheme
+    with a learned threshold L (FIRE), L itself and 2L (where its normaliser starts to move)."""
+    pts = {max(1, int(length) // 8), max(1, int(length) // 2), int(length) - 1}
+    rows = scheme.toeplitz_rows() if hasattr(scheme, "toeplitz_rows") else None
+    if rows is not None:
+        L = int(float(rows[0]))
+        pts |= {x for x in (L, 2 * L) if 0 < x < int(length)}
+    return sorted(pts)
+
+
+def query_curves(scheme, positions, layer: int = 0) -> dict[int, np.ndarray]:
+    """{m: bias of the query at position m against keys m, m-1, ..., 0, i.e. by distance 0..m: [H, m+1]}."""
+    out = {}
+    dev = scheme_device(scheme)
+    with torch.no_grad():
+        for m in positions:
+            keys = torch.arange(int(m) + 1, device=dev)
+            out[int(m)] = scheme.bias(keys[-1:], keys, layer)[:, 0].flip(-1).detach().double().cpu().numpy()
+    return out
+
+
+def plot_query_curves(scheme, length: int, path_stem, *, heads=None, layers=None,
+                      title: str | None = None) -> tuple[list[str], dict]:
+    """The learned bias by distance at several query positions (one panel per layer and head, one line per
+    query position): FIRE's progressive interpolation shows as curves that stretch with the query position
+    beyond L. Returns (files, {layer: {m: [H, m+1] list}})."""
+    scheme = as_scheme(scheme)
+    _needs_bias(scheme)
+    heads = _head_list(scheme, heads)
+    nlayers = getattr(scheme, "layers", 1) if scheme.layer_dependent else 1
+    layers = list(range(nlayers)) if layers is None else [int(x) for x in layers]
+    pos = query_positions(scheme, length)
+    fig, axes = new_figure(3.0 * len(heads), 2.4 * len(layers), ncols=len(heads), nrows=len(layers))
+    axes = np.atleast_1d(axes).reshape(len(layers), len(heads))
+    data = {}
+    for r, layer in enumerate(layers):
+        curves = query_curves(scheme, pos, layer)
+        data[layer] = {m: c.tolist() for m, c in curves.items()}
+        for col, h in enumerate(heads):
+            ax = axes[r, col]
+            for m, c in curves.items():
+                ax.plot(np.arange(c.shape[1]), c[h], lw=0.9, label=f"m = {m}")
+            ax.set_title(f"layer {layer}, head {h}", fontsize=8)
+            ax.set_xlabel("distance m - n", fontsize=7)
+    axes[0, 0].legend(fontsize=6)
+    fig.suptitle(title or f"{scheme.name}: bias by distance at several query positions m")
+    return save_figure(fig, path_stem), data
 
 
 def bias_grid(scheme, length: int, layer: int = 0, max_points: int = 512):

@@ -109,6 +109,8 @@ def _analyze_all(run_dir, out_dir, place, which, tokens, erf_length, segments, e
         effs = A3.effective_lengths(scheme)
         f["effective_length"] = A3.plot_effective_length({cfg.name: effs}, fig("effective_length"))
         res["bias"] = {"log_fits": fits, "effective_lengths": effs}
+        if not scheme.relative:  # FIRE: its learned curve at several query positions, per layer and head
+            f["query_curves"], _ = A3.plot_query_curves(scheme, L_ex, fig("query_curves"))
         if scheme.name == "sandwich":
             f["dbar_sweep"], res["bias"]["dbar_sweep"] = A3.plot_dbar_sweep(fig("dbar_sweep"), length=L_ex)
     elif any(scheme.for_layer(i).has_content for i in range(len(model.blocks))):  # FoX: gates on a text

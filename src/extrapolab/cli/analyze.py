@@ -176,6 +176,9 @@ def bias_cmd(
     effs = A3.effective_lengths(s)
     figs += A3.plot_effective_length({name: effs}, out / f"{name}_effective_length")
     result = {"scheme": name, "log_fits": fits, "effective_lengths": effs}
+    if not s.relative:  # FIRE: the curve moves with the query position
+        f, _ = A3.plot_query_curves(s, length, out / f"{name}_query_curves", heads=head)
+        figs += f
     if name == "sandwich":
         f, result["dbar_sweep"] = A3.plot_dbar_sweep(out / "sandwich_dbar_sweep", length=length)
         figs += f

@@ -17,7 +17,10 @@ equal to the reference. The paths, chosen by :func:`select_path`:
 * ``fallback``   :mod:`.reference` with each query block's dense mask in fused SDPA, for biases
                  that are not a function of m - n and positions that are not contiguous;
 * ``twopass``    :mod:`.twopass`, Self-Extend / ReRoPE (``scheme.second_pass()``): near and far
-                 passes fused, merged by log-sum-exp.
+                 passes fused, merged by log-sum-exp;
+* ``split``      :mod:`.split`, schemes whose bias is a distance table only up to a query position T
+                 (``scheme.toeplitz_rows()``: FIRE up to L): the queries at m <= T on the Toeplitz path,
+                 the others as the fallback; attention rows are independent, so the outputs concatenate.
 
 Schemes with score-level hooks (``reference_only``: CoPE, DAPE, stick-breaking) always take the
 reference path, in query blocks of min(``block_size``, :data:`SCORE_BLOCK`) rows.
@@ -37,6 +40,7 @@ from ..positional.base import PositionalScheme
 from . import flex
 from .folded import fold_block, folded_attention, token_positions
 from .reference import LogitsSink, dense_attention, scheme_tau
+from .split import split_attention
 from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
 from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
 from .twopass import twopass_attention
@@ -117,14 +121,16 @@ def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
 
 def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
                 same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32,
-                folded: bool = False, tau_rows: bool = False):
+                folded: bool = False, tau_rows: bool = False, split: int | None = None):
     """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
     q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
     first positions (a, c) of contiguous query / key positions, None where not contiguous;
     ``folded``: the scheme's bias has the ALiBi form (``alibi_slopes``) and the positions increase;
-    ``tau_rows``: the scheme's temperature varies over query positions. Schemes with positions from
-    content (``has_content``) never take the causal or Toeplitz paths.
+    ``tau_rows``: the scheme's temperature varies over query positions; ``split``: for schemes with
+    ``toeplitz_rows`` (FIRE), how many of the (increasing) queries lie at positions <= T, whose bias is
+    the distance table. Schemes with positions from content (``has_content``) never take the causal or
+    Toeplitz paths.
     """
     _, H, Lq, D = q_shape
     impl = opts.impl
@@ -147,8 +153,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     if bias_free and opts.window is None and same_pos and not blocked:
         return "causal", None
     a, c = starts
-    toeplitz = not dense_bias and is_toeplitz(scheme, allow_weight=True) and a is not None and c is not None \
-        and c <= a and not content and not tau_rows
+    plain = not dense_bias and a is not None and c is not None and c <= a and not content and not tau_rows
+    toeplitz = plain and (is_toeplitz(scheme, allow_weight=True) or (split is not None and split >= Lq))
     if folded and not dense_bias and (content or tau_rows or not toeplitz):
         return "folded", fold_block(opts.block_size, blocked)
     if toeplitz:
@@ -159,6 +165,9 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
             return "flex", None
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
+    if plain and split:  # queries up to T on the Toeplitz path, the rest as the fallback (rows per block)
+        tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
+        return "split", (tb if blocked or (impl == "auto" and split > tb) else None)
     return "fallback", block
 
 
@@ -213,9 +222,13 @@ def attend(
     folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows) \
         and _increasing(bias, q_pos) and _increasing(bias, k_pos)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    db, split = bias if isinstance(bias, DistanceBias) else None, None
+    if dense is None and starts[0] is not None and scheme.toeplitz_rows() is not None:
+        db = db or DistanceBias(scheme, q.device, table_dtype(q))
+        split = max(0, min(Lq, math.floor(db.toeplitz_rows(layer)) - starts[0] + 1))  # queries at a.. <= T
     path, block = select_path(q.device.type, scheme, opts, q.shape, Lk, same_pos=same and bias_free,
                               starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype,
-                              folded=folded, tau_rows=tau_rows)
+                              folded=folded, tau_rows=tau_rows, split=split)
     if path == "causal":
         if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
             q = q / tau_s[..., None].to(q.dtype)
@@ -231,8 +244,12 @@ def attend(
         return folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, base_scale=base, scale=scale,
                                 tau_rows=rows, window=opts.window, block=block, same=same), None
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
+    if path == "split":
+        return split_attention(q, k, v, q_pos, k_pos, scheme, layer, db, starts, split, block, scale=scale,
+                               tau=tau, tau_h=tau_h, tau_s=tau_s, window=opts.window, block_size=opts.block_size,
+                               memory_budget_mb=opts.memory_budget_mb), None
     if path in ("toeplitz", "flex"):
-        db = bias if isinstance(bias, DistanceBias) else DistanceBias(scheme, q.device, table_dtype(q))
+        db = db or DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
             try:
                 return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,

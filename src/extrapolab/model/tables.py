@@ -86,6 +86,12 @@ class DistanceBias:
             hit = self._memo[key] = make()
         return hit
 
+    def toeplitz_rows(self, layer: int) -> float | None:
+        """The scheme's ``toeplitz_rows()`` for ``layer`` as a float, read from the device once per forward
+        (one host-device synchronisation on CUDA, shared by the layers); None when it has none."""
+        ts = self.memo(("toeplitz_rows",), lambda: _floats(self.scheme.toeplitz_rows()))
+        return None if ts is None else ts[0] if len(ts) == 1 else ts[layer]
+
     def starts(self, pos: torch.Tensor) -> int | None:
         """:func:`arange_start`, memoised (within this forward) for position tensors layers share."""
         hit = self._starts.get(id(pos))
@@ -162,6 +168,10 @@ class DistanceBias:
 def table_dtype(x: torch.Tensor) -> torch.dtype:
     """fp64 tables for fp64 activations (exactness tests), fp32 otherwise (also under bf16)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _floats(t: torch.Tensor | None) -> list[float] | None:
+    return None if t is None else [float(x) for x in t.reshape(-1).tolist()]
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

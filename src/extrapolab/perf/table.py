@@ -14,9 +14,9 @@ from .timing import TOLERANCE, fmt_ratio
 #: the speed goals of the cost table: train step / NoPE at L_tr = 512, 2 threads, >= 7 rounds
 GOAL_L, GOAL_THREADS, GOAL_ROUNDS = 512, 2, 7
 GOAL_LIMITS = {"parameter-free and rotary": 1.10, "T5 and KERPLE": 1.20, "learned temperature": 1.10,
-               "positions from content": 1.30, "score-level (reference path)": 3.0}
+               "positions from content": 1.30, "Toeplitz up to L (FIRE)": 1.30, "score-level (reference path)": 3.0}
 #: long-context forward goals: group -> (L, limit on forward / NoPE)
-LONG_GOALS = {"positions from content": (4096, 1.5)}
+LONG_GOALS = {"positions from content": (4096, 1.5), "Toeplitz up to L (FIRE)": (4096, 1.5)}
 
 
 def _ms(times: list[float]) -> float:
@@ -34,6 +34,8 @@ def goal_group(name: str) -> str | None:
         return "score-level (reference path)"
     if s.has_content:
         return "positions from content"
+    if s.toeplitz_rows() is not None:  # FIRE: a learned distance table up to L, dense blocks beyond
+        return "Toeplitz up to L (FIRE)"
     if s.learnable and not s.has_bias and s.kind in ("none", "hybrid"):
         return "learned temperature"  # e.g. NoPE head scale: still the fused causal kernel
     return None if s.learnable else "parameter-free and rotary"

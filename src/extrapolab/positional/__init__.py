@@ -31,6 +31,9 @@ from . import fox  # noqa: F401  positions from content: the Forgetting Transfor
 from . import headscale  # noqa: F401  NoPE with a learned temperature per head
 from . import hybrid  # noqa: F401  a scheme per layer: RoPE/NoPE hybrids
 from . import cope  # noqa: F401  score-level hook: contextual positions
+from . import fire  # noqa: F401  learned functional bias, progressive interpolation
+from . import stickbreaking  # noqa: F401  normalize hook: stick-breaking weights instead of softmax
+from . import dape  # noqa: F401  score hook: an MLP (V2: a convolution) of every head's score and bias
 
 __all__ = [
     "PositionalScheme", "RelativeBias", "SchemeError", "ScoreBlock", "causal_distance",

@@ -17,6 +17,8 @@ A scheme is an ``nn.Module`` whose hooks are all no-ops by default; attention
                                     (CoPE, DAPE); reference path only
 * ``normalize(logits, block)``   -> attention weights replacing softmax (stick-breaking), or None
 * ``for_layer(layer)``           -> the scheme a layer uses (per-layer hybrids); ``self`` by default
+* ``toeplitz_rows()``            -> [layers|1] position T_l up to which every query's bias is the distance
+                                    table ``bias_from_distance(m - n)`` (FIRE: queries at m <= L), or None
 
 Relative schemes (bias depends only on the distance k = m - n >= 0) subclass
 :class:`RelativeBias` and implement only ``bias_from_distance(dist, layer)``; the base class
@@ -133,6 +135,14 @@ class PositionalScheme(nn.Module):
         """The scheme layer ``layer`` attends with: ``self``, except for per-layer hybrids. Resolved
         in one place per layer (``Block.forward``, ``attend``); the result's own ``for_layer`` is itself."""
         return self
+
+    def toeplitz_rows(self) -> torch.Tensor | None:
+        """None, or T [layers|1] (one value when the layers share it): for a query at position m <= T_l the
+        bias of layer l is ``bias_from_distance(m - n, l)``, a distance table, while ``bias`` holds for every
+        query (FIRE: the normaliser ψ(max(L, m)) is ψ(L) up to m = L). Attention then runs those queries on
+        the Toeplitz path and the others on dense blocks (docs/attention.md, the "split" path); it reads T
+        once per forward. Detached, no host read here."""
+        return None
 
     def alibi_slopes(self, layer: int = 0) -> torch.Tensor | None:
         """[H] float64 when this layer's whole additive term is -slope_h·(p_m - p_n) (ALiBi form),

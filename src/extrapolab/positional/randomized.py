@@ -16,9 +16,11 @@ Checked against google-deepmind/randomized_positional_encodings (``models/positi
   that (eval/positions.py); ``eval.positions=contiguous`` scores at 0..L-1 instead.
 
 Their noisy ALiBi and relative variants sample a sorted set of *distances* per offset rather than
-positions; here every scheme is fed sampled *positions*, so ALiBi's bias is -slope x (p_m - p_n). Bias
-schemes at positions with gaps run on the attention "fallback" path (a dense mask per query block,
-docs/attention.md): correct, slower than the Toeplitz path.
+positions; here every scheme is fed sampled *positions*, so ALiBi's bias is -slope x (p_m - p_n). At
+positions with gaps, ALiBi (and FoX, whose bias has the same ALiBi form) take the attention "folded"
+path (the key term as an extra head dimension of the fused causal kernel, exact at any increasing
+positions); other bias schemes (T5, KERPLE, Sandwich, FIRE, ...) take the "fallback" path (a dense
+mask per query block): correct, slower than the Toeplitz path (docs/attention.md, path table).
 """
 from __future__ import annotations
 

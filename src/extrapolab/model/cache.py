@@ -1,0 +1,117 @@
+"""The KV cache of causal decoding (docs/attention.md): rotated keys, values, their positions and,
+for schemes with positions from content (FoX), those positions, per layer; with a window it keeps
+the newest ``window`` tokens. ``GPT.forward(cache=...)`` and ``Block.forward`` extend it; cached
+decoding equals the parallel forward (tests/test_schemes_contract.py).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer cache of rotated keys, values and their positions; ``window`` evicts the oldest.
+
+    Storage is preallocated: without a window a buffer that doubles when full, with a window a
+    "double ring" of 2·window slots where token t is written at t mod w and t mod w + w, so the
+    last w tokens are always one contiguous, time-ordered slice. Appending a token costs O(1)
+    copies and ``extend`` returns views, so per-token decoding cost stays flat beyond w.
+    ``k[layer]``, ``v[layer]``, ``pos[layer]`` are the current [B, H, Lc, D] / [Lc] views; with a
+    window they alias the ring, so copy them if they must outlive the next ``extend``. Under
+    autograd (k or v requiring grad) ``extend`` concatenates instead, leaving saved tensors intact.
+    Schemes with positions from content (FoX) pass ``content`` [B, H, L] too: ``content[layer]``
+    [B, H, Lc] then holds the cached keys' positions, and ``last_content`` continues them.
+    """
+
+    def __init__(self, layers: int, window: int | None = None) -> None:
+        if window is not None and int(window) < 1:
+            raise ValueError(f"KV-cache window must be >= 1, got {window}; pass window=None for no limit")
+        self.window = None if window is None else int(window)
+        self.k: list[torch.Tensor | None] = [None] * layers  # [B, H, Lc, D]
+        self.v: list[torch.Tensor | None] = [None] * layers
+        self.pos: list[torch.Tensor | None] = [None] * layers  # [Lc]
+        self.content: list[torch.Tensor | None] = [None] * layers  # [B, H, Lc] positions from content
+        self._buf: list[tuple | None] = [None] * layers  # (kbuf, vbuf, pbuf, cbuf | None) storage
+        self._count = [0] * layers  # tokens written so far
+
+    def last_content(self, layer: int) -> torch.Tensor | None:
+        """[B, H] position from content of the newest cached token of ``layer``, or None."""
+        c = self.content[layer]
+        return None if c is None or c.shape[-1] == 0 else c[..., -1]
+
+    def _storage(self, layer, k, pos, need, content=None):
+        """The layer's (k, v, pos, content) buffers with room for ``need`` slots (allocated / grown here)."""
+        buf, n = self._buf[layer], self._count[layer]
+        if buf is not None and (buf[0].shape[:2] != k.shape[:2] or buf[0].shape[3] != k.shape[3]
+                                or buf[0].dtype != k.dtype or buf[0].device != k.device):
+            raise ValueError("KV cache reused with another batch size, head layout, dtype or device; "
+                             "make a new KVCache")
+        if buf is not None and buf[0].shape[2] >= need:
+            return buf
+        B, H, _, D = k.shape
+        cap = need if self.window is not None else max(need, 256, 2 * (buf[0].shape[2] if buf else 0))
+        cb = None if content is None else content.new_empty(B, H, cap)  # [B, H, cap]
+        new = (k.new_empty(B, H, cap, D), k.new_empty(B, H, cap, D), pos.new_empty(cap), cb)  # [B,H,cap,D]
+        if buf is not None:  # grow by doubling, keeping what is stored
+            new[0][:, :, :n], new[1][:, :, :n], new[2][:n] = buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
+            if cb is not None and buf[3] is not None:
+                cb[..., :n] = buf[3][..., :n]
+        self._buf[layer] = new
+        return new
+
+    def extend(self, layer, k, v, pos, content=None):
+        """Append k, v [B, H, L, D] at positions pos [L] (and ``content`` [B, H, L], positions from
+        content); return the keys attention sees now, (k, v, pos); ``self.content[layer]`` then holds
+        their positions from content. With a window the result is the newest ``window`` of
+        (cached + new) tokens, in time order.
+        """
+        L, n, w = k.shape[2], self._count[layer], self.window
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or (content is not None and content.requires_grad)):
+            return self._extend_functional(layer, k, v, pos, content)  # keep autograd's saved tensors intact
+        if self._buf[layer] is None and self.k[layer] is not None:  # seed from a functional extend
+            k0, v0, p0 = self.k[layer].detach(), self.v[layer].detach(), self.pos[layer]
+            c0 = None if self.content[layer] is None else self.content[layer].detach()
+            self.k[layer] = self.v[layer] = self.pos[layer] = self.content[layer] = None
+            self.extend(layer, k0, v0, p0, c0)
+            n = self._count[layer]
+        if w is None:
+            kb, vb, pb, cb = self._storage(layer, k, pos, n + L, content)
+            kb[:, :, n:n + L], vb[:, :, n:n + L], pb[n:n + L] = k, v, pos
+            if content is not None:
+                cb[..., n:n + L] = content
+            size, start = n + L, 0
+        else:
+            kb, vb, pb, cb = self._storage(layer, k, pos, 2 * w, content)
+            keep = min(L, w)  # only the newest w incoming tokens can survive
+            B, H, _, D = kb.shape
+            k2, v2, p2 = kb.view(B, H, 2, w, D), vb.view(B, H, 2, w, D), pb.view(2, w)  # two halves
+            c2 = None if content is None else cb.view(B, H, 2, w)
+            i0, s0 = 0, (n + L - keep) % w  # kept token i0 goes to ring slot s0 (of both halves)
+            while i0 < keep:  # at most two contiguous segments
+                seg = min(keep - i0, w - s0)
+                a0 = L - keep + i0
+                k2[:, :, :, s0:s0 + seg] = k[:, :, None, a0:a0 + seg]  # [B, H, 2, seg, D]
+                v2[:, :, :, s0:s0 + seg] = v[:, :, None, a0:a0 + seg]
+                p2[:, s0:s0 + seg] = pos[None, a0:a0 + seg]
+                if c2 is not None:
+                    c2[:, :, :, s0:s0 + seg] = content[:, :, None, a0:a0 + seg]  # [B, H, 2, seg]
+                i0, s0 = i0 + seg, 0
+            size, start = min(n + L, w), ((n + L) % w if n + L > w else 0)
+        self._count[layer] = n + L
+        out = kb[:, :, start:start + size], vb[:, :, start:start + size], pb[start:start + size]
+        self.k[layer], self.v[layer], self.pos[layer] = out
+        self.content[layer] = None if content is None else cb[..., start:start + size]
+        return out
+
+    def _extend_functional(self, layer, k, v, pos, content=None):
+        if self.k[layer] is not None:
+            k = torch.cat([self.k[layer], k], dim=2)  # [B, H, Lc+L, D]
+            v = torch.cat([self.v[layer], v], dim=2)
+            pos = torch.cat([self.pos[layer], pos])
+            if content is not None:
+                content = torch.cat([self.content[layer], content], dim=-1)  # [B, H, Lc+L]
+        if self.window is not None and k.shape[2] > self.window:
+            k, v, pos = k[:, :, -self.window:], v[:, :, -self.window:], pos[-self.window:]
+            content = None if content is None else content[..., -self.window:]
+        self._buf[layer], self._count[layer] = None, 0  # buffers restart from these tensors
+        self.k[layer], self.v[layer], self.pos[layer], self.content[layer] = k, v, pos, content
+        return k, v, pos

@@ -1,0 +1,67 @@
+"""What every bench row group shares (perf/bench.py): the benched schemes (:class:`Spec`), the run's
+settings (:class:`Context`) and the one way a row builds its model."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from .. import positional
+from ..io import UserError
+from ..model.gpt import GPT, ModelConfig
+from ..train.step import autocast
+from .timing import provenance
+
+BASE = "none"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One benched scheme: a row label, the registered name and its options."""
+    label: str
+    name: str
+    params: dict = field(default_factory=dict)
+
+
+def as_specs(schemes) -> list[Spec]:
+    """Names, Specs or (label, name, params) -> Specs, NoPE first (added when missing)."""
+    out = []
+    for s in schemes:
+        out.append(s if isinstance(s, Spec) else Spec(s, s) if isinstance(s, str) else Spec(*s))
+    bad = [s.name for s in out if s.name not in positional.names()]
+    if bad:
+        raise UserError(f"unknown scheme(s) {', '.join(bad)}; run `extrapolab schemes` for valid names")
+    return [Spec(BASE, BASE)] + [s for s in out if s.label != BASE]
+
+
+@dataclass
+class Context:
+    specs: list[Spec]
+    cfg: ModelConfig
+    device: torch.device
+    rounds: int
+    warmup: int
+    say: Callable[[str], None]
+    opts: dict  # group options: lengths_train, batch_tokens, batch, parts, long_lengths, ...
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around every timed call, as training runs
+
+    def amp(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` run under this bench's autocast (fp32: unchanged)."""
+        if self.precision == "fp32":
+            return fn
+
+        def run():
+            with autocast(self.precision, self.device):
+                return fn()
+        return run
+
+    def prov(self, **sizes) -> dict:
+        """:func:`.timing.provenance` of a row: device, threads, precision and the model's sizes."""
+        return provenance(self.device, precision=self.precision, model=asdict(replace(self.cfg, scheme="")), **sizes)
+
+
+def build_model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
+    """The benched model of ``spec`` (seeded, on the bench's device)."""
+    torch.manual_seed(seed)
+    return GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params))).to(ctx.device)

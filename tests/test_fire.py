@@ -1,0 +1,211 @@
+"""FIRE (Li et al. 2024) against the paper's equations written here as the reproduction in
+chuanyang-Zheng/DAPE (``DAPE.py`` class FIRE) computes them, and the split path (queries up to L on the
+Toeplitz path, the rest as dense blocks) against the dense formula, with gradients."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from extrapolab import positional
+from extrapolab.model import attention as attn_mod
+from extrapolab.model import tables
+from extrapolab.model.attention import AttnOptions, attend
+from extrapolab.model.gpt import GPT, ModelConfig
+from extrapolab.model.toeplitz import HankelSDPA
+from extrapolab.positional.base import SchemeError
+
+
+def _official_fire(s, layer, L, init_L):
+    """DAPE.py's FIRE.forward on an [L, L] score map, its nn.Sequential MLP written with s's parameters of
+    ``layer`` (so gradients reach them): returns the [H, L, L] bias it adds (before the causal mask)."""
+    g = 0 if s.shared else layer
+
+    def mlp(x):  # nn.Linear(1, width) -> nn.ReLU() -> nn.Linear(width, H)
+        return F.linear(F.relu(F.linear(x, s.w1[g][:, None], s.b1[g])), s.w2[g], s.b2[g])
+
+    c, L_multiplier, eps = s.c[g], s.L_mult[g], 1e-6
+    rel_distance = torch.tril(torch.arange(L).view(L, 1).repeat(1, L) + torch.arange(0, -L, -1)).to(c.dtype)
+    threshold = torch.abs(L_multiplier * init_L)
+    rel_distance_max = torch.max(torch.tril(rel_distance), dim=-1)[0]
+    pos_normalizer = torch.max(rel_distance_max, threshold)[:, None]
+    rel_distance = torch.log(torch.abs(c * rel_distance) + 1)
+    pos_normalizer = torch.log(torch.abs(c * pos_normalizer) + 1) + eps
+    return mlp((rel_distance / pos_normalizer).unsqueeze(-1)).permute(2, 0, 1)  # [H, L, L]
+
+
+def _fire(H=3, layers=2, L_tr=20, shared=False, L_mult=1.37, seed=0):
+    torch.manual_seed(seed)
+    s = positional.build("fire", H, layers=layers, original_length=L_tr, shared=shared).double()
+    with torch.no_grad():
+        s.L_mult.fill_(L_mult)  # L = 27.4: never a position, so max(L, i) has no tie
+        s.c.uniform_(0.05, 0.3)
+    return s
+
+
+def _dense(q, k, v, q_pos, k_pos, s, layer, window=None):
+    """softmax(q·k/sqrt(d) + b_FIRE(i, j)) v, masked causally (and by the window), from the reproduction."""
+    top = int(max(q_pos.max(), k_pos.max())) + 1
+    full = _official_fire(s, layer, top, s.original_length)  # [H, top, top] by absolute position
+    b = full[:, q_pos][:, :, k_pos]
+    dist = q_pos[:, None] - k_pos[None]
+    bad = (dist < 0) if window is None else (dist < 0) | (dist >= window)
+    lg = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + b).masked_fill(bad, -math.inf)
+    return torch.softmax(lg, -1) @ v
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fire_bias_equals_the_reproduction_at_any_positions(shared):
+    s = _fire(shared=shared)
+    L = 60
+    for layer in range(2):
+        ref = _official_fire(s, layer, L, 20).masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -math.inf)
+        pos = torch.arange(L)
+        torch.testing.assert_close(s.bias(pos, pos, layer), ref, rtol=0, atol=1e-12)
+        for qp, kp in [(pos[30:50], pos[:50]), (pos[5:9], pos[3:40]), (pos[[3, 7, 40]], pos[[0, 2, 7, 30, 41]]),
+                       (pos[:3], pos[5:9])]:  # blocks, a chunk after a cache, gaps, keys all in the future
+            torch.testing.assert_close(s.bias(qp, kp, layer), ref[:, qp][:, :, kp], rtol=0, atol=1e-12)
+        # queries at i <= L see the distance table f(ψ(d)/ψ(L))
+        d = torch.arange(28)
+        torch.testing.assert_close(s.distance_table(28, layer, dtype=torch.float64), ref[:, 27, 27 - d], rtol=0, atol=1e-12)
+
+
+def test_fire_starts_as_the_reproduction_and_the_model_init_leaves_it():
+    s = positional.build("fire", 4, layers=3, original_length=64)
+    assert s.c.tolist() == pytest.approx([0.1] * 3) and s.L_mult.tolist() == [1.0] * 3
+    assert float(s.threshold(2).detach()) == 64.0 and s.layer_dependent
+    assert s.w1.abs().max() <= 1 and s.w2.abs().max() <= 32 ** -0.5  # nn.Linear's U(±1/sqrt(fan_in))
+    assert not torch.equal(s.w1[0], s.w1[1])  # one MLP per layer
+    shared = positional.build("fire", 4, shared=True)
+    assert shared.w1.shape[0] == 1 and not shared.layer_dependent
+    m = GPT(ModelConfig(vocab_size=30, dim=32, heads=4, layers=2, scheme="fire", train_length=48))
+    assert m.scheme.original_length == 48 and m.scheme.layers == 2
+    assert m.scheme.w1.std() > 0.3  # U(-1, 1), not the model's N(0, 0.02) of its own nn.Linear layers
+    with pytest.raises(SchemeError, match="layers"):
+        m.scheme.bias(torch.arange(3), torch.arange(3), 5)
+
+
+def test_pieces_are_the_mlp_with_its_gradients():
+    s = _fire()
+    t, _, _ = s.pieces(1)
+    x = torch.cat([torch.rand(200, dtype=torch.float64) * 3 - 1, t]).requires_grad_()  # breakpoints included
+    a, b = s.piecewise(x, 1), s.mlp(x, 1)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    go = torch.randn_like(a)
+    keep = torch.ones(x.shape[0], dtype=torch.bool)
+    keep[200:] = False  # ReLU's derivative at a kink is a convention: compare elsewhere
+    ga = torch.autograd.grad(a, [x, *s.parameters()], go, allow_unused=True)
+    gb = torch.autograd.grad(b, [x, *s.parameters()], go, allow_unused=True)
+    torch.testing.assert_close(ga[0][keep], gb[0][keep], rtol=0, atol=1e-12)
+    xs = x.detach()[:200].requires_grad_()
+    ga = torch.autograd.grad(s.piecewise(xs, 1), list(s.parameters()), go[:, :200], allow_unused=True)
+    gb = torch.autograd.grad(s.mlp(xs, 1), list(s.parameters()), go[:, :200], allow_unused=True)
+    for u, w in zip(ga, gb):
+        assert (u is None) == (w is None)
+        if u is not None:
+            torch.testing.assert_close(u, w, rtol=0, atol=1e-10)
+
+
+def _spy(monkeypatch):
+    seen = []
+    real = attn_mod.select_path
+    monkeypatch.setattr(attn_mod, "select_path", lambda *a, **kw: seen.append(real(*a, **kw)[0]) or real(*a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_split_path_equals_the_dense_formula_with_gradients(shared, monkeypatch):
+    """Queries on both sides of L = 27.4: rows 0..27 on the Toeplitz path, the rest dense; output and every
+    gradient (q, k, v, the MLP, c, L_mult) equal the reproduction's dense formula in fp64, whole sequences,
+    chunks after a cache, windows and small blocks alike."""
+    s = _fire(shared=shared)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 70, 8, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    params = [q, k, v, *s.parameters()]
+    seen = _spy(monkeypatch)
+    cases = [(slice(0, 70), slice(0, 70), {}), (slice(0, 70), slice(0, 70), dict(impl="blocked", block_size=9)),
+             (slice(20, 70), slice(0, 70), {}), (slice(0, 70), slice(0, 70), dict(window=11))]
+    for qs, ks, kw in cases:
+        qp, kp = torch.arange(70)[qs], torch.arange(70)[ks]
+        out, _ = attend(q[:, :, qs], k[:, :, ks], v[:, :, ks], qp, kp, s, 1, AttnOptions(**kw))
+        ref = _dense(q[:, :, qs], k[:, :, ks], v[:, :, ks], qp, kp, s, 1, kw.get("window"))
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        go = torch.randn_like(ref)
+        for a, b in zip(torch.autograd.grad(out, params, go), torch.autograd.grad(ref, params, go)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert seen == ["split"] * len(cases)
+    # queries all at or below L: the Toeplitz path; all above: the dense blocks alone
+    for qp, want in [(torch.arange(0, 27), "toeplitz"), (torch.arange(40, 70), "fallback")]:
+        out, _ = attend(q[:, :, qp], k, v, qp, torch.arange(70), s, 1)
+        torch.testing.assert_close(out, _dense(q[:, :, qp], k, v, qp, torch.arange(70), s, 1), rtol=0, atol=1e-12)
+        assert seen[-1] == want
+
+
+def test_training_at_L_tr_runs_hankel_sdpa_with_the_table_gradient(monkeypatch):
+    """At L_tr every query is at i <= L: the learnable distance table through the fused HankelSDPA (fp32),
+    gradients to the MLP, c and L_mult equal the dense formula's."""
+    s = _fire(L_mult=1.0, L_tr=64).float()
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, 64, 16, generator=g).requires_grad_() for _ in range(3))
+    calls = []
+    real = HankelSDPA.apply
+    monkeypatch.setattr(HankelSDPA, "apply", lambda *a: calls.append(1) or real(*a))
+    pos = torch.arange(64)
+    out, _ = attend(q, k, v, pos, pos, s, 0)
+    assert calls
+    sd = copy.deepcopy(s).double()
+    ref = _dense(q.double(), k.double(), v.double(), pos, pos, sd, 0)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, list(s.parameters()), go)
+    want = torch.autograd.grad(ref, list(sd.parameters()), go.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared,per_forward", [(True, 1), (False, 2)])
+def test_dense_rows_and_the_threshold_are_computed_once_per_forward(shared, per_forward, monkeypatch):
+    """Beyond L the dense blocks are built once per forward when the layers share FIRE (twice in a 2-layer model
+    otherwise); the learnable L is read from the device once per forward (one synchronisation on CUDA)."""
+    m = GPT(ModelConfig(vocab_size=40, dim=24, heads=3, layers=2, scheme="fire", train_length=16,
+                        scheme_params={"shared": shared})).eval()
+    calls, reads = [], []
+    real_bias, real_floats = type(m.scheme).bias, tables._floats
+    monkeypatch.setattr(type(m.scheme), "bias", lambda self, *a, **kw: calls.append(1) or real_bias(self, *a, **kw))
+    monkeypatch.setattr(tables, "_floats", lambda t: reads.append(1) or real_floats(t))
+    with torch.no_grad():
+        m(torch.randint(0, 40, (1, 100)))  # rows 17..99 beyond L = 16, in one block of 256 rows
+    assert len(calls) == per_forward and len(reads) == 1
+
+
+def test_fire_has_no_trf_formula_and_says_why():
+    from extrapolab.analysis.theory import trf
+
+    rows = trf(positional.build("fire", 2), 0.01, n=2**10)
+    assert all(r["converges"] is None and "query" in r["method"] for r in rows)
+
+
+def test_analyze_bias_draws_fire_per_query_position(tmp_path):
+    """`extrapolab analyze bias fire`: the heat map, the last row (the row of the last query) and the learned
+    curve per layer and head at several query positions; each curve is that query's row of ``bias``."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from extrapolab.analysis import bias as A3
+    from extrapolab.cli.main import app
+
+    res = CliRunner().invoke(app, ["analyze", "bias", "fire", "--heads", "2", "--length", "200", "--out",
+                                   str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert any("fire_query_curves" in f for f in out["figures"])
+    s = _fire()
+    pos = A3.query_positions(s, 100)
+    assert 27 in pos and 54 in pos and 99 in pos  # L = 27.4 and 2L among them
+    curves = A3.query_curves(s, pos, 1)
+    for m, c in curves.items():
+        row = s.bias(torch.tensor([m]), torch.arange(m + 1), 1)[:, 0].detach()
+        torch.testing.assert_close(torch.from_numpy(c), row.flip(-1).double())
+    torch.testing.assert_close(torch.from_numpy(A3.distance_curve(s, 100, 1)), torch.from_numpy(curves[99]))
