@@ -62,7 +62,7 @@ def grid_search(taus: Sequence[float], target: float, value: Callable[[int], flo
 
     ``falls``: the statistic falls as tau grows (P_max; the entropy rises). ``"bisect"`` finds the
     first tau, in ascending order, whose statistic passes the target; for a strictly monotone
-    statistic the closest grid tau is it or the one before (log2 of the grid + 1 evaluations). If
+    statistic the closest grid tau is it or the one before (3-4 of 11 evaluated). If
     any two evaluated taus are out of order (or equal), every tau is evaluated and the closest
     taken, as ``"grid"`` does from the start. ``value`` is called at most once per index."""
     if search not in SEARCHES:
@@ -97,7 +97,7 @@ class LayerAligner:
     """The chooser the ``extrapolab`` attention calls in every layer (hf/extend.py ``CHOOSE_KWARG``).
 
     ``target``: the statistic per layer at L_tr: each layer attends at the grid tau closest to its
-    target (:func:`grid_search`; ``search="bisect"`` evaluates 4-5 of 11 taus, the others are NaN
+    target (:func:`grid_search`; ``search="bisect"`` evaluates 3-5 of 11 taus, the others are NaN
     in the summary). None: record every tau in ``taus``, every layer attends at ``attend`` (FINDS).
     Sums P_max and H of Softmax_tau per (tau, layer) over the rows it reads, in float64.
     ``layer0``: a :class:`.temperature.SoftmaxStats` (``layer0=True``) given layer 0's sampled
@@ -214,13 +214,13 @@ def align_layers(model, train_segments, segments: dict, *, mode: str = "pmax", t
     num_layers = int(model.hf.config.num_hidden_layers)
     dev = next(model.hf.parameters()).device
     ref = LayerAligner(num_layers, [1.0], mode, rows=rows, block=block)
-    say(f"Algorithm 1 (one pass): layer statistics at L_tr = {np.shape(train_segments)[-1]}")
+    say(f"Algorithm 1, per-layer variant: layer statistics at L_tr = {np.shape(train_segments)[-1]}")
     run_pass(model, train_segments, ref)
     target = [ref.values(r)[0] for r in range(num_layers)]
     out = {"mode": mode, "rows": int(rows), "search": search, "grid": [float(t) for t in taus], "train": ref.summary(),
            "tau": {}, "stats": {}, "peak_mib": {}}
     for L, segs in segments.items():
-        say(f"Algorithm 1 (one pass): tau per layer at L = {L}")
+        say(f"Algorithm 1, per-layer variant: tau per layer at L = {L}")
         a = LayerAligner(num_layers, taus, mode, target=target, rows=rows, block=block, search=search)
         with PeakMemory(dev) as mem:  # the process's peak during the pass (weights included)
             run_pass(model, segs, a)
