@@ -31,7 +31,7 @@ from extrapolab.io import UserError  # noqa: E402
 L_CTX = 256
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-METHODS = ["rope", "pi", "ntk", "dynamic", "yarn", "selfextend", "rerope", "logn", "pmax", "length"]
+METHODS = ["rope", "pi", "ntk", "dynamic", "yarn", "selfextend", "rerope", "logn", "pmax", "entropy", "pmax-layer", "length"]
 
 
 def _tiny(folder):
@@ -92,15 +92,24 @@ def test_every_method_at_1x_and_2x_identical_cells_once(smoke):
         assert len({one[m]["e1"] for m in METHODS if m != "rerope"}) == 1
         two = {m: cells[m]["512"][c] for m in METHODS}
         assert two["dynamic"]["same_as"] == "ntk" and two["dynamic"]["rope"] == "ntk:2"
+        key = {m: json.dumps([two[m]["rope"], two[m]["tau"]]) for m in METHODS}
+        for m in METHODS:  # one cell per setting, computed by the first method with it
+            first = next(x for x in METHODS if key[x] == key[m])
+            assert two[m]["same_as"] == (None if first == m else first), m
         computed = [m for m in METHODS if not two[m]["same_as"]]
-        assert computed == [m for m in METHODS if m != "dynamic"]
-        assert len({round(two[m]["e1"], 9) for m in computed}) == len(computed)  # each setting differs
+        assert len({round(two[m]["e1"], 9) for m in computed}) == len(computed) >= 9  # each setting differs
     two = {m: cells[m]["512"][prose] for m in METHODS}
     assert (two["pi"]["rope"], two["yarn"]["rope"], two["selfextend"]["rope"]) == ("linear:2", "yarn:2", "selfextend:3,64")
     assert two["rerope"]["rope"] == "rerope:32+logn" and two["length"]["tau"] == pytest.approx(math.log(256) / math.log(512))
-    taus = res["results"]["align_tau"]["512"]
-    assert len(taus) == 2 and all(t in GRID for t in taus) and res["results"]["align"]["512"]["peak_mib"]["512"] > 0
-    assert two["pmax"]["tau"] == (taus if len(set(taus)) > 1 else taus[0])
+    at, align = res["results"]["align_tau"], res["results"]["align"]["512"]
+    for m in ("pmax", "entropy"):  # the thesis' Algorithm 1: one tau for the model at 512
+        assert at[m]["512"] in GRID and two[m]["tau"] == at[m]["512"] and two[m]["rope"] is None
+    g = align["global"]
+    assert g["modes"] == ["pmax", "entropy"] and g["rows"] == 32 and g["peak_mib"]["512"] > 0
+    assert 2 <= g["forwards"]["512"] <= 6 and g["train"]["tau"] == 1.0  # bisection, both modes sharing
+    layer = at["pmax-layer"]["512"]  # the per-layer variant
+    assert len(layer) == 2 and all(t in GRID for t in layer) and align["layer"]["peak_mib"]["512"] > 0
+    assert two["pmax-layer"]["tau"] == (layer if len(set(layer)) > 1 else layer[0])
 
 
 def test_holds_long_lengths_passkey_and_erf_follow_the_rules(smoke):

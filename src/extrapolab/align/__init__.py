@@ -7,8 +7,9 @@ model and the stored ``temperature.json``; :mod:`.plots` the tau table and curve
 :mod:`.experiment` and :mod:`.tables` the one-command study (`extrapolab align experiment`);
 :mod:`.rope_study` and :mod:`.rope_report` RoPE context extension (PI, NTK, dynamic NTK, YaRN) against
 temperature alignment on one rotary run (`extrapolab align rope`); :mod:`.hf_causal` Algorithm 1 and
-retrieval on Hugging Face causal LMs (`hf:PATH`); :mod:`.head_scale` the head scale for NoPE
-(Wang et al. 2024): a uniform-scale search, then λ per head tuned alone at the target length.
+retrieval on Hugging Face causal LMs (`hf:PATH`), with :mod:`.onepass` running Algorithm 1 in fused
+forwards; :mod:`.head_scale` the head scale for NoPE (Wang et al. 2024): a uniform-scale search,
+then λ per head tuned alone at the target length.
 """
 from .algorithm import TEMPERATURE_FILE, align, collect_logit_stats, load_temperature, save_temperature
 from .plots import align_table, plot_temperature_curves

@@ -78,8 +78,39 @@ def collect_logit_stats(model, segments, taus: Sequence[float] = GRID, *, propag
 
 
 # ---------------------------------------------------------------- align(): all rules at every L_ex
-def _segments(tokens: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
+def segments_at(tokens: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
     return np.stack([tokens[s:s + length] for s in starts]).astype(np.int64)  # [N, L]
+
+
+def window_starts(tokens, train_length: int, lengths: Sequence[int], n_segments: int, seed: int):
+    """(tokens as 1-D, sorted lengths, seeded window starts): the L_tr windows are prefixes of the L_ex ones."""
+    tokens = np.asarray(tokens).reshape(-1)
+    lengths = sorted({int(L) for L in lengths})
+    train_length = int(train_length)
+    if train_length < 2 or not lengths or min(lengths) < 2:
+        raise UserError(f"lengths must be >= 2 (train_length={train_length}, lengths={lengths})")
+    need = max(lengths + [train_length])
+    if tokens.size < need:
+        raise UserError(f"only {tokens.size} tokens to align on but the longest length is {need}; "
+                        "pass a bigger split or smaller --lengths")
+    rng = np.random.default_rng(seed)
+    return tokens, lengths, np.sort(rng.integers(0, tokens.size - need + 1, size=int(n_segments)))
+
+
+def check_modes(modes: Sequence[str]) -> list[str]:
+    modes = [canonical_rule(m) for m in modes]
+    if any(m not in MODES for m in modes):
+        raise UserError(f"alignment modes are {', '.join(MODES)}; got {', '.join(modes)}")
+    return modes
+
+
+def closed_form_taus(res: dict, L: int, l0_tr: dict | None, l0: dict | None) -> None:
+    """The length rule and Props. 5.1/5.2 (from layer 0's statistics) at ``L`` into ``res["tau"]``."""
+    key = str(L)
+    res["tau"]["length"][key] = length_rule(res["train_length"], L)
+    if l0 and l0_tr:
+        res["tau"]["prop51"][key] = prop51_tau(l0_tr["pmax"], l0_tr["sigma"], l0["sigma"], l0_tr["length"], l0["length"])
+        res["tau"]["prop52"][key] = prop52_tau(l0_tr["sigma"], l0["sigma"], l0_tr["length"], l0["length"])
 
 
 def align(model, tokens, train_length: int, lengths: Sequence[int], modes: Sequence[str] = MODES, *,
@@ -91,23 +122,12 @@ def align(model, tokens, train_length: int, lengths: Sequence[int], modes: Seque
     the same seeded offsets, so the L_tr windows are prefixes of the L_ex ones. Returns a JSON-able
     dict: ``tau[rule][str(L)]`` for rules pmax, entropy, length, prop51, prop52, and the statistics.
     """
-    modes = [canonical_rule(m) for m in modes]
-    if any(m not in MODES for m in modes):
-        raise UserError(f"alignment modes are {', '.join(MODES)}; got {', '.join(modes)}")
-    tokens = np.asarray(tokens).reshape(-1)
-    lengths = sorted({int(L) for L in lengths})
+    modes = check_modes(modes)
     train_length = int(train_length)
-    if train_length < 2 or not lengths or min(lengths) < 2:
-        raise UserError(f"lengths must be >= 2 (train_length={train_length}, lengths={lengths})")
-    need = max(lengths + [train_length])
-    if tokens.size < need:
-        raise UserError(f"only {tokens.size} tokens to align on but the longest length is {need}; "
-                        "pass a bigger split or smaller --lengths")
-    rng = np.random.default_rng(seed)
-    starts = np.sort(rng.integers(0, tokens.size - need + 1, size=int(n_segments)))
+    tokens, lengths, starts = window_starts(tokens, train_length, lengths, n_segments, seed)
     say = progress or (lambda _m: None)
     say(f"FINDS(1) at L_tr={train_length}")
-    tr = collect_logit_stats(model, _segments(tokens, starts, train_length), [1.0], propagate=True,
+    tr = collect_logit_stats(model, segments_at(tokens, starts, train_length), [1.0], propagate=True,
                              layer0=True, batch_size=batch_size, block_size=block_size)
     s_tr = {m: tr[m][0] for m in MODES}
     res = {"version": 1, "train_length": train_length, "lengths": lengths, "grid": [float(t) for t in taus],
@@ -115,20 +135,15 @@ def align(model, tokens, train_length: int, lengths: Sequence[int], modes: Seque
            "tau": {r: {} for r in modes + ["length", "prop51", "prop52"]},
            "stats": {"train": {**s_tr, "layer0": tr.get("layer0"), "per_layer_pmax": tr["per_layer_pmax"][0],
                                "per_layer_entropy": tr["per_layer_entropy"][0]}, "ex": {}}}
-    l0_tr = tr.get("layer0")
     for L in lengths:
         say(f"FINDS(tau) for {len(taus)} temperatures at L_ex={L}")
-        ex = collect_logit_stats(model, _segments(tokens, starts, L), taus, propagate=propagate, layer0=True,
+        ex = collect_logit_stats(model, segments_at(tokens, starts, L), taus, propagate=propagate, layer0=True,
                                  batch_size=batch_size, block_size=block_size)
         key = str(L)
         for m in modes:
             res["tau"][m][key] = pick_tau(s_tr[m], list(taus), ex[m])
-        res["tau"]["length"][key] = length_rule(train_length, L)
-        l0 = ex.get("layer0")
-        if l0 and l0_tr:
-            res["tau"]["prop51"][key] = prop51_tau(l0_tr["pmax"], l0_tr["sigma"], l0["sigma"], l0_tr["length"], l0["length"])
-            res["tau"]["prop52"][key] = prop52_tau(l0_tr["sigma"], l0["sigma"], l0_tr["length"], l0["length"])
-        res["stats"]["ex"][key] = {"pmax": ex["pmax"], "entropy": ex["entropy"], "layer0": l0}
+        closed_form_taus(res, L, tr.get("layer0"), ex.get("layer0"))
+        res["stats"]["ex"][key] = {"pmax": ex["pmax"], "entropy": ex["entropy"], "layer0": ex.get("layer0")}
     return res
 
 

@@ -2,7 +2,9 @@
 
 A method at L is a :class:`Setting`: a ``--rope`` text for :func:`extrapolab.hf.load_hf` (HF's own
 rope types through ``rope_parameters``; Self-Extend / ReRoPE / log-n through the extrapolab
-attention function) and a softmax temperature (one, or one per layer). The factor of every static
+attention function) and a softmax temperature: one for the whole model (Algorithm 1 as the thesis
+runs it, ``pmax`` / ``entropy``, and the length rule) or one per layer (``pmax-layer``, the one-forward
+variant of :func:`.onepass.align_layers`). The factor of every static
 method is s = L / L_ctx, L_ctx being the model's context (its config's ``max_position_embeddings``):
 what a user who wants L tokens would set. Cells whose settings coincide are computed once:
 
@@ -42,7 +44,11 @@ from ..model.attention import AttnOptions
 #: method -> label in the tables
 METHODS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
            "yarn": "YaRN", "selfextend": "Self-Extend (w = L_ctx/4)", "rerope": "ReRoPE + log-n (w = L_ctx/8)",
-           "logn": "RoPE + log-n", "pmax": "τ: Alg. 1 P_max, per layer", "length": "τ: log L_ctx / log L"}
+           "logn": "RoPE + log-n", "pmax": "τ: Alg. 1 P_max", "entropy": "τ: Alg. 1 H",
+           "pmax-layer": "τ: Alg. 1 P_max per layer (variant)", "length": "τ: log L_ctx / log L"}
+#: methods whose tau Algorithm 1 sets from the model's statistics at L (the thesis' one tau per length,
+#: or the per-layer variant); the others need nothing measured
+ALIGNED = ("pmax", "entropy", "pmax-layer")
 E4_POINTS = 512  # the position-wise curve is stored as this many bin means
 
 
@@ -62,8 +68,8 @@ def _s(x: float) -> str:
 
 
 def setting(method: str, L: int, L_ctx: int, align_tau: dict | None = None) -> Setting:
-    """The :class:`Setting` of ``method`` at length ``L`` (module doc); ``align_tau``: {str(L): [tau
-    per layer]} from Algorithm 1 (needed by ``pmax`` beyond L_ctx)."""
+    """The :class:`Setting` of ``method`` at length ``L`` (module doc); ``align_tau``: {method:
+    {str(L): tau, or [tau per layer]}} from Algorithm 1 (needed by :data:`ALIGNED` beyond L_ctx)."""
     ext, s = L > L_ctx, L / L_ctx
     if method not in METHODS:
         raise UserError(f"unknown extend.methods entry {method!r}; choose from {', '.join(METHODS)}")
@@ -82,9 +88,11 @@ def setting(method: str, L: int, L_ctx: int, align_tau: dict | None = None) -> S
         return Setting("logn")
     if method == "length":
         return Setting(None, math.log(L_ctx) / math.log(L))
-    taus = (align_tau or {}).get(str(L))
+    taus = (align_tau or {}).get(method, {}).get(str(L))
     if taus is None:
-        raise UserError(f"no Algorithm 1 temperatures for length {L}; run the alignment stage first")
+        raise UserError(f"no Algorithm 1 temperature ({method}) for length {L}; run the alignment stage first")
+    if not isinstance(taus, (list, tuple)):
+        return Setting(None, float(taus))
     taus = tuple(float(t) for t in taus)
     return Setting(None, taus[0] if len(set(taus)) == 1 else taus)  # one tau for all layers: a float
 

@@ -18,8 +18,8 @@ class Plan:
     def __init__(self, spec, L_ctx: int) -> None:
         self.spec, self.L_ctx = spec, int(L_ctx)
         self.cells: dict = {m: {} for m in spec.methods}  # the tables' row order
-        self.align_tau: dict = {}  # str(L) -> [tau per layer]
-        self.align: dict = {}  # str(L) -> align_layers() result
+        self.align_tau: dict = {}  # method -> str(L) -> tau (pmax, entropy) or [tau per layer] (pmax-layer)
+        self.align: dict = {}  # str(L) -> {"global": align_global() result, "layer": align_layers() result}
         self.long: dict = {}  # str(L) -> methods evaluated there
         self.passkey: dict = {}  # method -> str(L) -> records
         self.erf: dict = {}  # method -> record
@@ -90,7 +90,7 @@ class Plan:
 
     def erf_methods(self, names, L: int) -> list[str]:
         """``names`` with ``best`` resolved (the method that holds best at the last full factor), one
-        per distinct setting at L (Algorithm 1's taus at L must be known for ``pmax``)."""
+        per distinct setting at L (Algorithm 1's taus at L must be known for the aligned methods)."""
         best = self.best(self.length(self.spec.full_factors[-1]), 1)
         seen, out = set(), []
         for n in names:

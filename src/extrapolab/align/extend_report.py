@@ -137,20 +137,28 @@ def passkey_table(results: dict) -> tuple[str, str]:
 
 
 def temperature_table(results: dict) -> tuple[str, str]:
-    """Per L: Algorithm 1's per-layer tau (min / mean / max), the length rule, YaRN's 1/f^2."""
-    L_ctx, rows = results["L_ctx"], []
-    lines = ["Softmax temperatures (tau < 1 sharpens): Algorithm 1 per layer (one forward, P_max), the length "
-             "rule log L_ctx / log L, and YaRN's attention factor f = 0.1 ln s + 1 as tau = 1/f²", "",
-             "| L | Alg. 1 tau min / mean / max | layers at tau < 1 | Alg. 1 pass peak RSS MiB | length rule | "
-             "YaRN 1/f² |", "|---|---|---|---|---|---|"]
-    for L, taus in sorted(results["align_tau"].items(), key=lambda kv: int(kv[0])):
+    """Per L: Algorithm 1's tau (one per length: P_max, entropy; and the per-layer variant's min /
+    mean / max), the forwards and peak of its global search, the length rule, YaRN's 1/f^2."""
+    L_ctx, rows, at = results["L_ctx"], [], results["align_tau"]
+    lines = ["Softmax temperatures (tau < 1 sharpens): Algorithm 1 as the thesis runs it (one tau for every softmax, "
+             "P_max and entropy; forwards of its bisection over the grid), its per-layer variant (one forward, P_max), "
+             "the length rule log L_ctx / log L, and YaRN's attention factor f = 0.1 ln s + 1 as tau = 1/f²", "",
+             "| L | Alg. 1 P_max | Alg. 1 H | forwards | peak RSS MiB | per layer min / mean / max (layers < 1) | "
+             "length rule | YaRN 1/f² |", "|---|---|---|---|---|---|---|---|"]
+    for L in sorted({L for byL in at.values() for L in byL}, key=int):
         f = yarn_attention_factor(int(L) / L_ctx)
         lr = math.log(L_ctx) / math.log(int(L))
-        peak = results["align"].get(L, {}).get("peak_mib", {}).get(L)
-        lines.append(f"| {_x(results, L)} | {min(taus):.2f} / {np.mean(taus):.3f} / {max(taus):.2f} | "
-                     f"{sum(t < 1 for t in taus)} of {len(taus)} | {_num(peak, '.0f')} | {lr:.3f} | {1 / f ** 2:.3f} |")
-        rows += [[L, i, t, lr, 1 / f ** 2] for i, t in enumerate(taus)]
-    return "\n".join(lines) + "\n", _csv(["length", "layer", "pmax_tau", "length_rule_tau", "yarn_tau"], rows)
+        g = results["align"].get(L, {}).get("global") or {}
+        pl = at.get("pmax-layer", {}).get(L)
+        layer = f"{min(pl):.2f} / {np.mean(pl):.3f} / {max(pl):.2f} ({sum(t < 1 for t in pl)} of {len(pl)})" \
+            if pl else "—"
+        lines.append(f"| {_x(results, L)} | {_num(at.get('pmax', {}).get(L), '.2f')} | "
+                     f"{_num(at.get('entropy', {}).get(L), '.2f')} | {g.get('forwards', {}).get(L, '—')} | "
+                     f"{_num(g.get('peak_mib', {}).get(L), '.0f')} | {layer} | {lr:.3f} | {1 / f ** 2:.3f} |")
+        rows.append([L, at.get("pmax", {}).get(L), at.get("entropy", {}).get(L), " ".join(map(str, pl or [])), lr,
+                     1 / f ** 2])
+    header = ["length", "pmax_tau", "entropy_tau", "pmax_layer_taus", "length_rule_tau", "yarn_tau"]
+    return "\n".join(lines) + "\n", _csv(header, rows)
 
 
 def cost_table(results: dict) -> str:
@@ -160,7 +168,8 @@ def cost_table(results: dict) -> str:
         kind, *rest = name.split("/", 1)[-1].split("-")
         L = rest[-2] if kind == "e" else rest[0]
         groups.setdefault((kind, int(L)), []).append(sec)
-    names = {"align": "Algorithm 1 (one pass + L_ctx reference)", "e": "E1/E3/E4 cells", "passkey": "passkey",
+    names = {"align": "Algorithm 1 (its forwards at L and the L_ctx reference)", "e": "E1/E3/E4 cells",
+             "passkey": "passkey",
              "erf": "ERF"}  # each cell's seconds include the model load it needed
     lines = ["| stage | L | cells | seconds (model loads included) |", "|---|---|---|---|"]
     for (kind, L), secs in sorted(groups.items(), key=lambda kv: (list(names).index(kv[0][0]), kv[0][1])):
@@ -216,7 +225,7 @@ def write_extend_report(out: Path, results: dict) -> Path:
     t_md, t_csv = temperature_table(results)
     atomic_write_text(out / "temperature.md", t_md)
     atomic_write_text(out / "temperature.csv", t_csv)
-    add("Temperatures", t_md, [], "<p>CSV: <code>temperature.csv</code> (every layer)</p>")
+    add("Temperatures", t_md, [], "<p>CSV: <code>temperature.csv</code> (the per-layer variant's every layer)</p>")
     add("Cost (measured)", cost_table(results) + f"\nThis invocation: {results['wall_s']:.0f} s wall, "
         f"{results['model_loads']} model loads (stages computed earlier keep the seconds they took then).\n")
     h = results["host"]

@@ -2,11 +2,15 @@
 
 On the SAME weights (a local folder or a GGUF file), with L_ctx the model's context:
 
-1. Algorithm 1 in one forward per length (:mod:`.onepass`): per-layer tau at every L > L_ctx, the
-   L_ctx statistics from one forward at L_ctx, both on the first corpus's windows;
+1. Algorithm 1 (:mod:`.onepass`) at every L > L_ctx on the first corpus's windows: ``pmax`` /
+   ``entropy`` as the thesis runs it, one tau for every softmax, FINDS(1) at L_ctx and FINDS(tau)
+   at L one fused forward each, bisection over the grid (~4 forwards per L, shared by both modes);
+   ``pmax-layer``, a variant, a tau per layer in one forward at L (plus one at L_ctx); statistics
+   from ``align_rows`` sampled query rows per layer;
 2. ``full_factors`` (1x, 2x): every method of :data:`.extend_cells.METHODS` -- plain RoPE, PI,
    NTK-aware, dynamic NTK, YaRN, Self-Extend, ReRoPE (+ log-n, as Su's patch), log-n, Algorithm 1's
-   per-layer P_max tau and the length rule tau = log L_ctx / log L -- on every corpus: E1, E3, E4
+   tau (P_max, entropy; the per-layer variant) and the length rule tau = log L_ctx / log L -- on
+   every corpus: E1, E3, E4
    from the same forwards (:func:`.extend_cells.score_cell`); cells whose settings coincide run once;
 3. a method HOLDS at L when, on every corpus measured at L, the perplexity of the last L_ctx
    predictions of its windows (the tokens plain RoPE's 1x cell scores, now after L - L_ctx more
@@ -40,7 +44,7 @@ import torch
 from .. import config as C
 from ..io import UserError, atomic_write_json
 from .experiment import _sayer, _Stages, load_study_preset
-from .extend_cells import METHODS, Models, erf_record, passkey_records, score_cell, setting, window_ends
+from .extend_cells import ALIGNED, METHODS, Models, erf_record, passkey_records, score_cell, setting, window_ends
 from .extend_plan import Plan
 
 SECTION = "extend"
@@ -57,7 +61,7 @@ class ExtendSpec:
     hold_ratio: float = 1.10
     long_methods: int = 2
     long_corpora: list[str] = field(default_factory=lambda: ["pydoc"])
-    align_rows: int = 256  # query rows per layer read by Algorithm 1's statistics (0 = all)
+    align_rows: int = 256  # query rows per layer read by Algorithm 1's statistics (0 = all: exact)
     passkey_lengths: list[int] = field(default_factory=lambda: [2048, 4096])  # plain RoPE below L_ctx
     passkey_factors: list[float] = field(default_factory=lambda: [1.0, 2.0])
     passkey_methods: int = 2
@@ -116,7 +120,7 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
     from ..hf import ATTN, hf_split
     from ..hf.data import HFCodec, chat_wrap
     from .extend_report import write_extend_report
-    from .onepass import align_layers
+    from .onepass import align_global, align_layers
     from .retrieval import make_examples
 
     t0 = time.time()
@@ -153,18 +157,26 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
     def segs(L):  # Algorithm 1's inputs: the first corpus's cell windows at L
         return np.stack([np.asarray(tokens[first][e - L:e], dtype=np.int64) for e in ends[first]])  # [n, L]
 
-    def aligned(L):  # per-layer tau at L (one forward at L_ctx, one at L; stored)
-        if str(L) not in plan.align_tau:
-            st = {"L": L, "L_ctx": L_ctx, "corpus": first, "ends": ends[first].tolist(), "rows": spec.align_rows}
-            res = stages.run(f"cells/align-{L}", st, lambda: align_layers(
+    def aligned(L, methods):  # Algorithm 1's tau at L for the aligned methods among ``methods`` (stored)
+        need = [m for m in methods if m in ALIGNED and str(L) not in plan.align_tau.get(m, {})]
+        if L <= L_ctx or not need:
+            return
+        st = {"L": L, "L_ctx": L_ctx, "corpus": first, "ends": ends[first].tolist(), "rows": spec.align_rows}
+        modes = [m for m in ("pmax", "entropy") if m in need]
+        if modes:  # the thesis' one tau per length; both modes from the same forwards
+            res = stages.run(f"cells/align-{L}-{'-'.join(modes)}", {**st, "modes": modes}, lambda: align_global(
+                models.get(None, ATTN), segs(L_ctx), {L: segs(L)}, modes=modes, rows=spec.align_rows, say=say))
+            plan.align.setdefault(str(L), {})["global"] = res
+            for m in modes:
+                plan.align_tau.setdefault(m, {})[str(L)] = res["tau"][m][str(L)]
+        if "pmax-layer" in need:  # the per-layer variant, one forward at L
+            res = stages.run(f"cells/align-{L}-layer", st, lambda: align_layers(
                 models.get(None, ATTN), segs(L_ctx), {L: segs(L)}, rows=spec.align_rows, say=say))
-            plan.align_tau[str(L)], plan.align[str(L)] = res["tau"][str(L)], res
-        return plan.align_tau
+            plan.align.setdefault(str(L), {})["layer"] = res
+            plan.align_tau.setdefault("pmax-layer", {})[str(L)] = res["tau"][str(L)]
 
     def e_cells(L, methods, corpora):
-        for m in methods:
-            if m == "pmax" and L > L_ctx:
-                aligned(L)
+        aligned(L, methods)
         for k, group in plan.groups(L, methods).items():
             st0 = setting(group[0], L, L_ctx, plan.align_tau)
             for c in corpora:
@@ -197,8 +209,7 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
                     lambda st0=st0, ex=ex: passkey_records(models.get(st0.rope), ex, st0.tau))
     if spec.erf_segments:
         L = plan.length(spec.erf_factor)
-        if "pmax" in spec.erf_methods and L > L_ctx:
-            aligned(L)
+        aligned(L, [*spec.erf_methods, *plan.best(plan.length(spec.full_factors[-1]), 1)])  # "best" resolved
         for m in plan.erf_methods(spec.erf_methods, L):
             st0 = setting(m, L, L_ctx, plan.align_tau)
             e = ends[first][:spec.erf_segments]

@@ -1,15 +1,20 @@
 """Thesis ch. 5 on a local Hugging Face causal LM (``hf:PATH``): Algorithm 1 and retrieval.
 
-:func:`align_hf` runs :func:`.algorithm.align` (Algorithm 1, the length rule, Props. 5.1/5.2)
-with per-layer temperatures through each family's own attention (hf/temperature.py). Families
-whose attention goes through transformers' attention interface (GPT-2, GPT-NeoX, Llama, Mistral,
-Qwen2, ...) are loaded with ``attn_implementation="extrapolab"`` and aligned by
-:class:`extrapolab.hf.HFBlockTarget`: statistics per query block from the model's own q and k, no
-[H, L, L] tensor (hf/extend.py), which also applies any ``--rope`` extension. The others (BLOOM,
-MPT) fall back to ``eager`` and :class:`extrapolab.hf.HFTarget`, which reads the attention
-probabilities: [B, H, L, L] per layer, O(L²) memory at the alignment lengths. Data: the test split of the
-preset's corpus in the model's tokenizer (hf/data.py). Output: OUT/temperature.json (+ .png/.svg),
-which ``extrapolab eval hf:PATH --out OUT --temperature auto`` reads.
+:func:`align_hf` runs Algorithm 1 (one tau for every softmax of the model per length, §5.4), the
+length rule and Props. 5.1/5.2. Families whose attention goes through transformers' attention
+interface (GPT-2, GPT-NeoX, Llama, Mistral, Qwen2, ...) are loaded with
+``attn_implementation="extrapolab"`` (hf/extend.py, which also applies any ``--rope`` extension)
+and aligned by :func:`align_onepass_hf`: each FINDS(tau) is one fused forward whose statistics come
+from ``rows`` sampled query rows per layer (every row at 0), and tau is found by bisection over the
+grid (:mod:`.onepass`), ~4 forwards per length where the block-wise reference takes 11. With
+``blockwise=True`` (or ``propagate=False``) they are aligned by :func:`.algorithm.align` over
+:class:`extrapolab.hf.HFBlockTarget` instead: statistics of every row per query block on the
+reference path, one forward per grid tau (no [H, L, L] tensor, but slow at long L). The others
+(BLOOM, MPT) fall back to ``eager`` and :class:`extrapolab.hf.HFTarget`, which reads the attention
+probabilities: [B, H, L, L] per layer, O(L²) memory at the alignment lengths. Data: the test split
+of the preset's corpus in the model's tokenizer (hf/data.py). Output: OUT/temperature.json (+
+.png/.svg), the same format either way, which ``extrapolab eval hf:PATH --out OUT --temperature
+auto`` reads.
 
 :func:`retrieval_hf` scores passkey / key-value retrieval (:mod:`.retrieval`) with prompts built in
 the model's tokenizer, at tau = 1 and at each rule's tau from OUT/temperature.json.
@@ -21,9 +26,10 @@ from typing import Callable, Sequence
 
 from .. import config as C
 from ..io import UserError, atomic_write_json
-from .algorithm import align, load_temperature, save_temperature
+from .algorithm import (align, check_modes, closed_form_taus, load_temperature, save_temperature, segments_at,
+                        window_starts)
 from .plots import align_table, plot_temperature_curves
-from .rules import canonical_rule
+from .rules import GRID, MODES, canonical_rule
 
 
 def _load(spec, *, attn: str, device: str, dtype: str, rope: str | None, train_length: int | None,
@@ -37,16 +43,53 @@ def _load(spec, *, attn: str, device: str, dtype: str, rope: str | None, train_l
     return model
 
 
+def align_onepass_hf(model, tokens, train_length: int, lengths: Sequence[int], modes: Sequence[str] = MODES, *,
+                     n_segments: int = 2, rows: int = 256, search: str = "bisect", taus: Sequence[float] = GRID,
+                     block: int = 128, seed: int = 0, progress: Callable[[str], None] | None = None) -> dict:
+    """Algorithm 1 on an ``HFCausalLM`` loaded with the extrapolab attention, in fused forwards
+    (:func:`.onepass.align_global`), on the windows :func:`.algorithm.align` would take; returns the
+    dict :func:`.algorithm.align` returns (statistics of the grid taus not evaluated are None),
+    plus ``rows``, ``search``, ``forwards`` and ``fallback``."""
+    from .onepass import align_global
+
+    modes = check_modes(modes)
+    train_length = int(train_length)
+    tokens, lengths, starts = window_starts(tokens, train_length, lengths, n_segments, seed)
+    g = align_global(model, segments_at(tokens, starts, train_length),
+                     {L: segments_at(tokens, starts, L) for L in lengths}, modes=modes, taus=taus, rows=rows,
+                     block=block, search=search, layer0=True, say=progress or (lambda _m: None))
+    tr, l0 = g["train"], g.get("layer0", {})
+    res = {"version": 1, "train_length": train_length, "lengths": lengths, "grid": g["grid"], "modes": modes,
+           "propagate": True, "segments": int(n_segments), "seed": int(seed), "method": "onepass",
+           "rows": int(rows), "search": search, "forwards": g["forwards"], "fallback": g["fallback"],
+           "tau": {r: {} for r in modes + ["length", "prop51", "prop52"]},
+           "stats": {"train": {"pmax": tr["pmax"], "entropy": tr["entropy"], "layer0": l0.get("train"),
+                               "per_layer_pmax": tr["per_layer_pmax"], "per_layer_entropy": tr["per_layer_entropy"]},
+                     "ex": {}}}
+    for L in lengths:
+        key = str(L)
+        for m in modes:
+            res["tau"][m][key] = g["tau"][m][key]
+        closed_form_taus(res, L, l0.get("train"), l0.get(key))
+        runs = g["finds"][key]
+        res["stats"]["ex"][key] = {m: [r[m] if r else None for r in runs] for m in MODES}
+        res["stats"]["ex"][key]["layer0"] = l0.get(key)
+    return res
+
+
 def align_hf(spec: str, lengths: Sequence[int] | None = None, modes: Sequence[str] = ("pmax", "entropy"),
              segments: int = 2, split: str = "test", propagate: bool = True, seed: int = 0, *, out=None,
              preset: str | None = None, overrides=None, device: str = "auto", dtype: str = "fp32",
-             rope: str | None = None, train_length: int | None = None,
-             say: Callable[[str], None] = print) -> dict:
-    """Algorithm 1 on ``hf:PATH`` -> OUT/temperature.json and the curves (see module doc)."""
+             rope: str | None = None, train_length: int | None = None, rows: int = 256, search: str = "bisect",
+             blockwise: bool = False, say: Callable[[str], None] = print) -> dict:
+    """Algorithm 1 on ``hf:PATH`` -> OUT/temperature.json and the curves (see module doc).
+    ``rows``: query rows per layer the one-pass statistics read (0 = all); ``search``: bisect | grid."""
     from ..hf import ATTN, HFBlockTarget, HFTarget, default_out, hf_split
     from ..hf.evaluate import check_hf_lengths, model_block
     from ..hf.temperature import block_statistics
 
+    if rows < 0:
+        raise UserError(f"--rows must be >= 0 (0 = every query row), got {rows}")
     cfg = C.resolve(preset, overrides)
     model = _load(spec, attn=ATTN, device=device, dtype=dtype, rope=rope, train_length=train_length,
                   cache_dir=cfg.data.cache_dir)
@@ -58,9 +101,14 @@ def align_hf(spec: str, lengths: Sequence[int] | None = None, modes: Sequence[st
     lengths = list(lengths or [L for L in cfg.eval.lengths if L > L_tr] or [2 * L_tr, 4 * L_tr])
     check_hf_lengths(model, [*lengths, L_tr])
     tokens = hf_split(cfg.data, model.loaded.tokenizer, split)
-    target = HFBlockTarget(model) if block else HFTarget(model)
-    res = align(target, tokens, L_tr, lengths, modes, n_segments=segments, propagate=propagate,
-                seed=seed, progress=say)
+    if block and propagate and not blockwise:
+        res = align_onepass_hf(model, tokens, L_tr, lengths, modes, n_segments=segments, rows=rows, search=search,
+                               seed=seed, progress=say)
+    else:
+        target = HFBlockTarget(model) if block else HFTarget(model)
+        res = align(target, tokens, L_tr, lengths, modes, n_segments=segments, propagate=propagate,
+                    seed=seed, progress=say)
+        res["method"] = "blockwise" if block else "eager"
     res["run"], res["scheme"], res["split"], res["model"] = f"hf:{model.loaded.name}", model.loaded.positions, \
         split, model_block(model)
     out = Path(out) if out else default_out(model.loaded)

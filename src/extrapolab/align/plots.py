@@ -29,7 +29,8 @@ def align_table(res: dict) -> str:
         lines += ["", "Attention sharpness at tau=1 (thesis Table 5.1)", "",
                   f"| stat | L_tr={res['train_length']} | " + " | ".join(Ls) + " |", "|---" * (len(Ls) + 2) + "|"]
         for m, label in (("pmax", "avg P_max"), ("entropy", "avg H")):
-            cells = [f"{res['stats']['ex'][L][m][i1]:.3f}" for L in Ls]
+            vals = [res["stats"]["ex"][L][m][i1] for L in Ls]  # None: tau = 1 not evaluated (bisection)
+            cells = [f"{v:.3f}" if v is not None else "n/a" for v in vals]
             lines.append(f"| {label} | {tr[m]:.3f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

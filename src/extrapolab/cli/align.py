@@ -174,6 +174,10 @@ def temperature(
     train_length: Optional[int] = typer.Option(None, "--train-length", help=HF_HELP + "L_tr (default: its config)"),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help=HF_HELP + "preset whose data.* to align on"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help=HF_HELP + "config override, e.g. --set data.corpus=pydoc"),
+    rows: int = typer.Option(256, "--rows", help=HF_HELP + "query rows per layer the statistics read (0 = every row)"),
+    search: str = typer.Option("bisect", "--search", help=HF_HELP + "bisect (~4 forwards per length) | grid (11)"),
+    blockwise: bool = typer.Option(False, "--blockwise", help=HF_HELP + "every row on the reference path, one forward "
+                                   "per grid tau (the exact reference; slow at long lengths)"),
 ):
     """Algorithm 1 (= `extrapolab align RUN`): tau per L_ex -> RUN/temperature.json for `eval --temperature auto`."""
     say = lambda m: typer.echo(m, err=True)  # noqa: E731
@@ -182,7 +186,7 @@ def temperature(
 
         res = align_hf(run, _ints(lengths), modes.split(","), segments, split, not no_propagate, out=out,
                        preset=preset, overrides=set_, device=device, dtype=dtype, rope=rope,
-                       train_length=train_length, say=say)
+                       train_length=train_length, rows=rows, search=search, blockwise=blockwise, say=say)
     else:
         res = align_cmd(Path(run), _ints(lengths), modes.split(","), segments, split, which, not no_propagate,
                         device=device, say=say, dtype=dtype)
