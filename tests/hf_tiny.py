@@ -60,13 +60,22 @@ def config(family: str, vocab: int):
     raise KeyError(family)
 
 
-def save_tiny(family: str, folder: Path, seed: int = 0, sharpen: float = 4.0) -> Path:
-    """Random model of ``family`` (attention logits sharpened by ``sharpen``) + tokenizer -> folder."""
+def save_tiny(family: str, folder: Path, seed: int = 0, sharpen: float = 4.0, layers: int | None = None,
+              max_positions: int | None = None, chat_template: str | None = None) -> Path:
+    """Random model of ``family`` (attention logits sharpened by ``sharpen``; ``layers`` and
+    ``max_positions`` override the config's) + tokenizer (with ``chat_template``) -> folder."""
     from transformers import AutoModelForCausalLM
 
     tok = tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    cfg = config(family, len(tok))
+    if layers is not None:
+        cfg.num_hidden_layers = layers
+    if max_positions is not None:
+        cfg.max_position_embeddings = max_positions
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(family, len(tok)))
+    model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # random init gives near-uniform attention: make the softmaxes peaky
         for name, p in model.named_parameters():
             if p.dim() == 2 and any(k in name for k in ("q_proj", "query_key_value", "c_attn", "Wqkv", "k_proj")):

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import TEXT, config, save_tiny, tokenizer  # noqa: E402
+from hf_tiny import TEXT, save_tiny, tokenizer  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from extrapolab.align.extend_cells import passkey_records, score_cell, setting  # noqa: E402
@@ -35,21 +35,7 @@ METHODS = ["rope", "pi", "ntk", "dynamic", "yarn", "selfextend", "rerope", "logn
 
 
 def _tiny(folder):
-    from transformers import AutoModelForCausalLM
-
-    tok = tokenizer()
-    tok.chat_template = CHAT
-    cfg = config("llama", len(tok))
-    cfg.max_position_embeddings = L_CTX
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and ("q_proj" in name or "k_proj" in name):
-                p.mul_(6.0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny("llama", folder, seed=0, sharpen=6.0, max_positions=L_CTX, chat_template=CHAT)
 
 
 def _corpora(tmp):

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import MAXPOS, TEXT, config, tokenizer  # noqa: E402
+from hf_tiny import MAXPOS, TEXT, save_tiny  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from extrapolab.align.algorithm import align, collect_logit_stats, load_temperature  # noqa: E402
@@ -34,21 +34,7 @@ LENGTHS = [64, 96]  # taus inside the grid for both modes on this model
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """3 layers (FINDS propagates through two), sharpened attention so the grid taus separate."""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("global") / "llama"
-    tok = tokenizer()
-    cfg = config("llama", len(tok))
-    cfg.num_hidden_layers = 3
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and ("q_proj" in name or "k_proj" in name):
-                p.mul_(14.0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny("llama", tmp_path_factory.mktemp("global") / "llama", seed=5, sharpen=14.0, layers=3)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_tiny import TEXT, config, tokenizer  # noqa: E402
+from hf_tiny import TEXT, save_tiny  # noqa: E402
 
 from extrapolab.align.onepass import LayerAligner, align_layers, run_pass, sample_rows  # noqa: E402
 from extrapolab.align.rules import GRID, pick_tau  # noqa: E402
@@ -26,21 +26,7 @@ L_TR = 48
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """3 layers (propagation through two), sharpened attention so the grid taus separate."""
-    from transformers import AutoModelForCausalLM
-
-    folder = tmp_path_factory.mktemp("onepass") / "llama"
-    tok = tokenizer()
-    cfg = config("llama", len(tok))
-    cfg.num_hidden_layers = 3
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and ("q_proj" in name or "k_proj" in name):
-                p.mul_(10.0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny("llama", tmp_path_factory.mktemp("onepass") / "llama", seed=3, sharpen=10.0, layers=3)
 
 
 def _segments(model, n, L, offset=0):

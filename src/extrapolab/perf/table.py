@@ -41,6 +41,13 @@ def goal_group(name: str) -> str | None:
     return None if s.learnable else "parameter-free and rotary"
 
 
+def _cell(cells: list[str], label: str, ratio: dict, limit: float) -> bool:
+    """Append "label ratio[ MISSED][ ~]" to ``cells``; whether the median ratio is within ``limit``."""
+    hit = ratio["median"] <= limit
+    cells.append(f"{label} {ratio['median']:.2f}{'' if hit else ' MISSED'}{'' if ratio['stable'] else ' ~'}")
+    return hit
+
+
 def check_goals(result: dict) -> list[str]:
     """One line per goal: each scheme's train-step ratio at L_tr = 512 against its limit."""
     meta, rows = result["meta"], (result.get("train") or {}).get(str(GOAL_L))
@@ -56,9 +63,7 @@ def check_goals(result: dict) -> list[str]:
             ratio = r.get("step_s_ratio")
             if ratio is None or goal_group(r.get("scheme", label)) != group:
                 continue
-            hit = ratio["median"] <= limit
-            ok &= hit
-            cells.append(f"{label} {ratio['median']:.2f}{'' if hit else ' MISSED'}{'' if ratio['stable'] else ' ~'}")
+            ok &= _cell(cells, label, ratio, limit)
         if cells:
             out.append(f"goal {group} <= {limit:.2f}x NoPE per train step at L_tr = {GOAL_L}: "
                        f"{'met' if ok else 'NOT met'} ({', '.join(cells)}){where}")
@@ -69,9 +74,7 @@ def check_goals(result: dict) -> list[str]:
             name = next((x for x in positional.names() if x == label), None)
             if ratio is None or name is None or goal_group(name) != group:
                 continue
-            hit = ratio["median"] <= limit
-            ok &= hit
-            cells.append(f"{label} {ratio['median']:.2f}{'' if hit else ' MISSED'}{'' if ratio['stable'] else ' ~'}")
+            ok &= _cell(cells, label, ratio, limit)
         if cells:
             out.append(f"goal {group} <= {limit:.2f}x NoPE per forward at L = {L}: "
                        f"{'met' if ok else 'NOT met'} ({', '.join(cells)})")
