@@ -210,3 +210,25 @@ def test_fire_dape_and_stick_breaking_bench_with_their_goals_and_reasons():
     assert "Toeplitz up to L (FIRE) <= 1.30x NoPE per train step" in goals and "(fire " in goals
     assert "Toeplitz up to L (FIRE) <= 1.50x NoPE per forward at L = 4096" in goals
     assert "score-level (reference path) <= 3.00x" in goals and "dape-alibi" in goals and "stick-breaking" in goals
+
+
+def test_randomized_positions_rows_train_at_drawn_positions_and_skip_the_long_groups(monkeypatch):
+    """A Spec with positions = L_MAX trains at sorted draws from [0, L_MAX) each step (what the trainer
+    feeds with train.positions=random:L_MAX); the long/generation rows are those of positions 0..L-1."""
+    from extrapolab.model.gpt import GPT
+
+    seen = []
+    loss = GPT.loss
+
+    def spy(self, idx, targets, positions=None):
+        seen.append(None if positions is None else positions.tolist())
+        return loss(self, idx, targets, positions)
+
+    monkeypatch.setattr(GPT, "loss", spy)
+    res = run_bench([("rotary+random", "rotary", {}, 64)], lengths_train=(16,), long_lengths=(32,), model_cfg=TINY,
+                    repeats=2, warmup=0, gen_window=4, batch_tokens=32, gen_reps=2, threads=1, progress=False)
+    drawn = [p for p in seen if p is not None]
+    assert drawn and all(len(p) == 16 and p == sorted(set(p)) and p[-1] < 64 for p in drawn)
+    assert len({tuple(p) for p in drawn}) > 1 and None in seen  # fresh draws each step; NoPE at 0..L-1
+    assert "rotary+random" in res["train"]["16"] and res["train"]["16"]["rotary+random"]["scheme"] == "rotary"
+    assert "rotary+random" not in res["long"]["32"] and "rotary+random" not in res["generation"]

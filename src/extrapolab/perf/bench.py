@@ -43,6 +43,7 @@ DEMO = ModelConfig(vocab_size=4096, layers=4, heads=4, dim=128, scheme=BASE)
 ROUNDS = 9  # paired rounds per row: a median's 95% interval within ±3% on an idle 2-core CPU
 QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64,
              schemes=("sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich", "windowed",
+                      "xpos", ("rotary+random", "rotary", {}, 2048), ("alibi+random", "alibi", {}, 2048),
                       "fox", "hybrid", "nope-headscale", "cope", "fire", "dape-alibi", "stick-breaking"))
 
 

@@ -18,10 +18,12 @@ BASE = "none"
 
 @dataclass(frozen=True)
 class Spec:
-    """One benched scheme: a row label, the registered name and its options."""
+    """One benched scheme: a row label, the registered name and its options; ``positions`` > 0 trains at
+    sorted random positions from [0, positions) drawn each step (Ruoss et al. 2023; train rows only)."""
     label: str
     name: str
     params: dict = field(default_factory=dict)
+    positions: int = 0
 
 
 def as_specs(schemes) -> list[Spec]:
@@ -45,6 +47,10 @@ class Context:
     say: Callable[[str], None]
     opts: dict  # group options: lengths_train, batch_tokens, batch, parts, long_lengths, ...
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around every timed call, as training runs
+
+    def natural(self) -> list[Spec]:
+        """The specs at positions 0..L-1 (the rows of every group but the train steps)."""
+        return [s for s in self.specs if not s.positions]
 
     def amp(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run under this bench's autocast (fp32: unchanged)."""

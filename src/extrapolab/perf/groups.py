@@ -12,6 +12,7 @@ from ..memory import PeakMemory
 from ..model.attention import AttnOptions, attend, flush_denormals
 from ..model.cache import KVCache
 from ..model.gpt import GPT
+from ..positional import randomized
 from ..train.step import autocast
 from .context import BASE, Context, Spec, build_model
 from .timing import add_ratios, paired_ratio, round_robin, timed
@@ -57,11 +58,12 @@ def window_limited(model: GPT, L: int) -> bool:
     return bool(torch.isinf(b).any())
 
 
-def _train_jobs(ctx: Context, m: GPT, x, y, parts, B, L) -> dict[str, Callable]:
+def _train_jobs(ctx: Context, m: GPT, x, y, parts, B, L, max_position: int = 0) -> dict[str, Callable]:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    draws = randomized.PositionSampler(max_position) if max_position else None  # as the trainer draws them
 
     def step():
-        loss = m.loss(x, y)
+        loss = m.loss(x, y, None if draws is None else draws.draw(L, x.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -87,7 +89,7 @@ def bench_train(ctx: Context) -> dict:
         jobs, models = {}, {}
         for s in ctx.specs:
             models[s.label] = build_model(ctx, s)
-            for part, fn in _train_jobs(ctx, models[s.label], x, y, parts, B, L).items():
+            for part, fn in _train_jobs(ctx, models[s.label], x, y, parts, B, L, s.positions).items():
                 for _ in range(ctx.warmup):
                     fn()
                 jobs[(s.label, part)] = fn
@@ -115,7 +117,7 @@ def bench_long(ctx: Context) -> dict:
     for L in ctx.opts["long_lengths"]:
         x = torch.randint(0, ctx.cfg.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(ctx.device)
         rows, jobs, mems = {}, {}, {}
-        for s in ctx.specs:
+        for s in ctx.natural():
             m = build_model(ctx, s).eval()
             try:
                 m.scheme.check_length(L)
@@ -143,7 +145,7 @@ def bench_long(ctx: Context) -> dict:
                            **({"unfused": why} if why else {})}
         if BASE in mems:
             add_ratios({k: r for k, r in rows.items() if "skipped" not in r}, BASE, ("fwd_s", "attn_s"))
-        out[str(L)] = {s.label: rows[s.label] for s in ctx.specs}
+        out[str(L)] = {s.label: rows[s.label] for s in ctx.natural()}
     return out
 
 
@@ -153,7 +155,7 @@ def bench_generation(ctx: Context) -> dict:
     out, dev = {"window": window, "positions": [window * p for p in probes]}, ctx.device
     last = window * max(probes)
     end, marks = last + reps - 1, {window * p for p in probes}  # tokens last..last+reps-1 timed last
-    for s in ctx.specs:
+    for s in ctx.natural():
         ctx.say(f"generation w={window}: {s.label}")
         m = build_model(ctx, s).eval()
         try:
