@@ -151,6 +151,11 @@ def test_hook_identity_at_1_and_softmax_l_over_tau(scheme):
                 def add(self, layer, lg, grid=None):
                     seen.setdefault(layer, []).append(lg)
 
+            if m.scheme.replaces_softmax:  # Algorithm 1's statistics are of softmax rows: refused in one line
+                with pytest.raises(UserError, match="reads softmax rows"):
+                    with A.GPTTarget(m, block_size=10).scope(tau, Keep(2, [1.0])):
+                        pass
+                continue
             with A.GPTTarget(m, block_size=10).scope(tau, Keep(2, [1.0])):
                 probs = m(ids, return_probs=True)["probs"]
             taus = tau if isinstance(tau, list) else [tau, tau]

@@ -126,6 +126,10 @@ class GPTTarget:
         taus = layer_temperatures(tau, self.num_layers)
         kw: dict = {"temperature": tuple(taus), "logits_sink": None}
         if sink is not None:
+            other = {self.model.scheme.for_layer(i).replaces_softmax for i in range(self.num_layers)} - {""}
+            if other:
+                raise UserError(f"temperature alignment reads softmax rows, but this model's attention uses "
+                                f"{'; '.join(sorted(other))} instead; align a softmax scheme")
             kw.update(logits_sink=lambda layer, lg, keys: sink.add(layer, lg, grid=keys),
                       block_size=self.block_size)
         prev, prev_active = self.model.attn_opts, self._active

@@ -84,6 +84,9 @@ class PositionalScheme(nn.Module):
     #: non-empty for schemes with score-level hooks: why no fused kernel can run them (shown by
     #: ``extrapolab bench``); attention then always takes the reference path, in query blocks
     reference_only: ClassVar[str] = ""
+    #: non-empty when ``normalize`` replaces softmax, saying by what: softmax statistics (Algorithm 1's
+    #: P_max and entropy, the temperature alignment) do not describe such a scheme's attention
+    replaces_softmax: ClassVar[str] = ""
     #: non-empty when the theoretical receptive field (Qin et al. 2024, eq. 22) has no formula for
     #: this scheme, saying why (analysis/theory.py reports it instead of a verdict)
     no_trf: ClassVar[str] = ""

@@ -38,6 +38,7 @@ class StickBreaking(PositionalScheme):
     summary = "stick-breaking weights σ(q·k) Π (1 − σ) instead of softmax, remainder to the current token"
     reference_only = ("stick-breaking replaces softmax by a product over every key between key and query (a reverse "
                       "cumulative sum along the row), which no fused softmax kernel computes: reference path")
+    replaces_softmax = "stick-breaking weights σ(z) Π (1 − σ)"
     no_trf = "stick-breaking has no positional bias: recency comes from its product of content gates, no TRF formula"
 
     def __init__(self, num_heads: int, attend_current: bool = False) -> None:
