@@ -14,6 +14,7 @@ from hf_tiny import CHUNK_FAMILIES, MAXPOS, TEXT, save_tiny, write_tiny_gguf  # 
 
 from extrapolab.eval import core, last_token, nonoverlapping, positionwise, sliding  # noqa: E402
 from extrapolab.hf import open_hf  # noqa: E402
+from extrapolab.io import UserError  # noqa: E402
 
 
 class FullLogits(nn.Module):
@@ -120,3 +121,12 @@ def test_bench_hf_times_extensions_against_plain_e1(tmp_path):
     text = format_hf_eval(res)
     assert "| 64 | selfextend:2,8 |" in text and "two-pass --rope selfextend:2,8: E1" in text
     assert "two-pass --rope logn" not in text and "E1 time" in text and "peak RSS" in text
+
+
+def test_bench_hf_reads_every_rope_before_loading_the_model(tmp_path, monkeypatch):
+    """A bad --rope is one line before any model load or forward (a 16k warm-up costs minutes)."""
+    import extrapolab.hf.bench as hb
+
+    monkeypatch.setattr(hb, "open_hf", lambda *a, **k: pytest.fail("loaded a model before reading --rope"))
+    with pytest.raises(UserError, match="KIND:FACTOR"):
+        hb.bench_hf_eval("hf:/nowhere.gguf", [64], ropes=["selfextend:2,8", "yarn"])

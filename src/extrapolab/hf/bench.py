@@ -38,6 +38,7 @@ from ..io import UserError
 from ..memory import PeakMemory
 from ..perf.timing import fmt_ratio, paired_ratio, provenance, round_robin
 from .adapter import open_hf
+from .load import parse_rope
 
 GOAL_RATIO = 1.10
 GOAL_RSS_GIB = 2.5
@@ -60,6 +61,8 @@ def bench_hf_eval(spec: str, lengths=(2048,), *, windows: int = 1, rounds: int =
     if rounds < 1 or windows < 1 or not lengths or min(int(L) for L in lengths) < 2:
         raise UserError(f"bench --hf needs rounds >= 1, windows >= 1 and lengths >= 2; got rounds={rounds}, "
                         f"windows={windows}, lengths={list(lengths)}")
+    for r in ropes:  # every --rope is read before the first forward: a typo costs no warm-up
+        parse_rope(r)
     if threads:
         torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
