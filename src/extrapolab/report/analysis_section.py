@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from .. import positional  # noqa: E402
 from ..eval.stats import format_cell, summary  # noqa: E402
 from .db import ResultsDB  # noqa: E402
 from .plots import save  # noqa: E402
@@ -37,15 +38,18 @@ def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
     for metric in ("converging_heads", "heads", "trf_mean", "trf_max"):
         for _, _, label, _, _, v in db.scalars("trf", metric):
             theory[label][metric].append(v)
-    rows = ["| scheme | ERF measured at L | ERF tokens (mean ± std over seeds) | seeds with ERF ≤ L_tr | "
+    rows = ["| scheme | ERF measured at L | ERF tokens (mean ± std over runs) | runs with ERF ≤ L_tr | "
             "gradient share of the L_tr most recent inputs | "
-            "heads with convergent Σexp(bias) | TRF n_the (mean over heads, mean over seeds) |",
+            "heads with convergent Σexp(bias) | TRF n_the (mean over heads, mean over runs) |",
             "|---|---|---|---|---|---|---|"]
+    no_formula = {r["label"]: _no_trf(r["scheme"]) for r in db.runs()}
     for label in [lb for lb in labels if lb in erf or lb in theory] or sorted(set(erf) | set(theory)):
         vals = erf.get(label, [])
         inside = f"{sum(v <= train_length for v in vals)}/{len(vals)}" if vals else "—"
         th = theory.get(label)
-        if th and th["heads"]:
+        if no_formula.get(label):  # a bias that is no fixed kernel of i - j: no verdict, its reason
+            conv, trf = "no formula", no_formula[label].split(":")[0]
+        elif th and th["heads"]:
             conv = f"{np.mean(th['converging_heads']):.0f}/{np.mean(th['heads']):.0f}"
             trf = f"{np.mean(th['trf_mean']):.0f}" if th["trf_mean"] else "none (diverges, or > 2^62)"
         else:
@@ -53,6 +57,13 @@ def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
         sh = f"{100 * np.mean(share[label]):.0f}%" if share.get(label) else "—"
         rows.append(f"| {label} | {length.get(label, '—')} | {format_cell(summary(vals))} | {inside} | {sh} | {conv} | {trf} |")
     return "\n".join(rows) + "\n"
+
+
+def _no_trf(scheme: str) -> str:
+    """The registered scheme's reason for having no TRF formula ('' when it has one, or is unknown)."""
+    if scheme not in positional.names():
+        return ""
+    return positional.build(scheme, num_heads=1).no_trf
 
 
 def plot_erf_overlay(db: ResultsDB, labels: list[str], train_length: int, stem: Path) -> Path | None:
