@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from .. import positional  # noqa: E402
 from ..eval.stats import format_cell, summary  # noqa: E402
 from .db import ResultsDB  # noqa: E402
-from .plots import save  # noqa: E402
+from .plots import save, style  # noqa: E402
 
 
 def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
@@ -75,12 +75,12 @@ def plot_erf_overlay(db: ResultsDB, labels: list[str], train_length: int, stem: 
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     Lmax = 0
-    for label in [lb for lb in labels if lb in curves] or sorted(curves):
+    for i, label in enumerate([lb for lb in labels if lb in curves] or sorted(curves)):
         cs = curves[label]
         n = min(len(c) for c in cs)
         c = np.mean([c[:n] for c in cs], axis=0)  # [n]
         dist = n - np.arange(1, n)  # [n-1] distance of input position m from the predicted token n
-        ax.plot(dist, c[:-1], lw=1.2, label=label)  # c_n = 0: the target itself is not an input
+        ax.plot(dist, c[:-1], lw=1.2, label=label, **style(i))  # c_n = 0: the target itself is not an input
         Lmax = max(Lmax, n)
     if train_length:
         ax.axvspan(1, train_length, color="grey", alpha=0.12, label=f"L_tr = {train_length} most recent")

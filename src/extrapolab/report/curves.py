@@ -17,7 +17,7 @@ import numpy as np
 
 from ..train.records import CURVES, curves, read_rows
 from .db import ResultsDB
-from .plots import plt, save
+from .plots import plt, save, style
 
 PROTOCOL = "train"  # results.sqlite series: (run_id, "train", 0, name, values), see sweep._run_job
 
@@ -72,7 +72,6 @@ def plot_training_curves(per_label: dict, labels: list[str], stem: Path, title: 
     tps = _tokens_per_step(per_label)
     xs = ["step"] if tps else ["step", "tokens"]
     fig, axes = plt.subplots(len(xs), 2, figsize=(11, 3.8 * len(xs)), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for row, x in enumerate(xs):
         for col, (pre, what) in enumerate((("train", "train loss (mean over each log interval)"),
                                            ("valid", "validation loss (fixed windows)"))):
@@ -83,8 +82,9 @@ def plot_training_curves(per_label: dict, labels: list[str], stem: Path, title: 
                     continue
                 xv, mean, lo, hi = band
                 n = len(per_label[label])
-                color = colors[i % len(colors)]
-                ax.plot(xv, mean, lw=1.3, color=color, marker="o" if len(xv) < 4 else None, ms=3,
+                st = style(i)
+                color = st["color"]
+                ax.plot(xv, mean, lw=1.3, color=color, ls=st["ls"], marker="o" if len(xv) < 4 else None, ms=3,
                         label=f"{label} ({n} seed{'s' if n != 1 else ''})")
                 if n > 1:
                     ax.fill_between(xv, lo, hi, color=color, alpha=0.2, lw=0)

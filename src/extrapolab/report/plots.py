@@ -23,16 +23,26 @@ def save(fig, stem: Path) -> Path:
     return stem.with_suffix(".png")
 
 
+def style(i: int) -> dict:
+    """Line style of the i-th curve: the colour cycle first, then the same colours dashed, dotted, ...,
+    so that more curves than colours (a 16-scheme sweep) stay distinguishable in one legend."""
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {"color": colors[i % len(colors)], "ls": ("-", "--", ":", "-.")[(i // len(colors)) % 4]}
+
+
 def plot_ppl_vs_length(means: dict, train_length: int, stem: Path, title: str = "") -> Path:
     """means: {label: {L: {mean, std, n}}} -> log-x plot with ±std bars and L_tr marked."""
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for label, byL in means.items():
+    for i, (label, byL) in enumerate(means.items()):
         Ls = [L for L in sorted(byL) if byL[L]["mean"] is not None]
         if not Ls:
             continue
         m = np.array([byL[L]["mean"] for L in Ls])
         s = np.array([byL[L]["std"] or 0.0 for L in Ls])
-        ax.errorbar(Ls, m, yerr=s, marker="o", ms=3, capsize=2, label=label)
+        if s.any():
+            ax.errorbar(Ls, m, yerr=s, marker="o", ms=3, capsize=2, label=label, **style(i))
+        else:  # one seed: a plain line (its legend entry shows the dash pattern)
+            ax.plot(Ls, m, marker="o", ms=3, label=label, **style(i))
     if train_length:
         ax.axvline(train_length, color="grey", ls=":", lw=1, label=f"L_tr = {train_length}")
     ax.set_xscale("log", base=2)
