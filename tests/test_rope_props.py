@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from decoding import decode
 
 from extrapolab import positional as P
 from extrapolab.model.gpt import GPT, KVCache, ModelConfig
@@ -107,10 +108,8 @@ def test_kv_cache_decoding_equals_parallel_within_l_tr(name, opts):
     idx = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ref = m(idx)
-        cache = KVCache(len(m.blocks))
-        steps = [m(idx[:, :10], torch.arange(10), cache=cache)]
-        steps += [m(idx[:, t:t + 1], torch.tensor([t]), cache=cache) for t in range(10, 40)]
-    torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-5, atol=1e-5)
+        steps = decode(m, idx, 10, KVCache(len(m.blocks)))
+    torch.testing.assert_close(steps, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_dynamic_ntk_kv_cache_keeps_old_scales_beyond_l_tr():

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from decoding import decode
 
 from extrapolab import positional as P
 from extrapolab.memory import PeakMemory
@@ -230,10 +231,8 @@ def test_cached_decoding_equals_the_parallel_forward(name, opts):
         idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(4))
         with torch.no_grad():
             full = model(idx)
-            cache = KVCache(LAYERS)
-            steps = [model(idx[:, :7], positions=torch.arange(7), cache=cache)]
-            steps += [model(idx[:, t:t + 1], positions=torch.tensor([t]), cache=cache) for t in range(7, 32)]
-        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=2e-5)
+            steps = decode(model, idx, 7, KVCache(LAYERS))
+        torch.testing.assert_close(steps, full, rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("name,opts", CASES)

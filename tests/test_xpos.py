@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from decoding import decode
 
 from extrapolab import positional as P
 from extrapolab.model.attention import AttnOptions
@@ -129,11 +130,7 @@ def test_gpt_prefix_full_and_incremental_decoding_equal_parallel():
         full = m(idx)  # [2, 40, V]
         torch.testing.assert_close(m(idx[:, :17]), full[:, :17], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(m(idx, opts=AttnOptions(impl="plain")), full, rtol=1e-5, atol=1e-5)
-        cache = KVCache(2)
-        steps = [m(idx[:, :9], positions=torch.arange(9), cache=cache)]
-        for t in range(9, 40):
-            steps.append(m(idx[:, t:t + 1], positions=torch.tensor([t]), cache=cache))
-        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(decode(m, idx, 9, KVCache(2)), full, rtol=1e-5, atol=2e-5)
         moved = m(idx, positions=torch.arange(300, 340))  # relative: a shift changes nothing
         torch.testing.assert_close(moved, full, rtol=1e-4, atol=1e-4)
 
