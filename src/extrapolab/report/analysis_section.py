@@ -61,9 +61,8 @@ def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
 
 def _no_trf(scheme: str) -> str:
     """The registered scheme's reason for having no TRF formula ('' when it has one, or is unknown)."""
-    if scheme not in positional.names():
-        return ""
-    return positional.build(scheme, num_heads=1).no_trf
+    cls = positional.REGISTRY.get(scheme)
+    return cls.no_trf if cls is not None else ""  # a class attribute: no scheme to build
 
 
 def plot_erf_overlay(db: ResultsDB, labels: list[str], train_length: int, stem: Path) -> Path | None:
