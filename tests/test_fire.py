@@ -135,8 +135,8 @@ def test_split_path_equals_the_dense_formula_with_gradients(shared, monkeypatch)
         for a, b in zip(torch.autograd.grad(out, params, go), torch.autograd.grad(ref, params, go)):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
     assert seen == ["split"] * len(cases)
-    # queries all at or below L: the Toeplitz path; all above: the dense blocks alone
-    for qp, want in [(torch.arange(0, 27), "toeplitz"), (torch.arange(40, 70), "fallback")]:
+    # queries all at or below L: the Toeplitz path; all above: the split path's dense blocks alone
+    for qp, want in [(torch.arange(0, 27), "toeplitz"), (torch.arange(40, 70), "split")]:
         out, _ = attend(q[:, :, qp], k, v, qp, torch.arange(70), s, 1)
         torch.testing.assert_close(out, _dense(q[:, :, qp], k, v, qp, torch.arange(70), s, 1), rtol=0, atol=1e-12)
         assert seen[-1] == want
@@ -166,17 +166,100 @@ def test_training_at_L_tr_runs_hankel_sdpa_with_the_table_gradient(monkeypatch):
 
 @pytest.mark.parametrize("shared,per_forward", [(True, 1), (False, 2)])
 def test_dense_rows_and_the_threshold_are_computed_once_per_forward(shared, per_forward, monkeypatch):
-    """Beyond L the dense blocks are built once per forward when the layers share FIRE (twice in a 2-layer model
-    otherwise); the learnable L is read from the device once per forward (one synchronisation on CUDA)."""
+    """With gradients, beyond L the dense blocks are built once per forward when the layers share FIRE (twice in
+    a 2-layer model otherwise); without, each layer lays its rows out by distance and ``bias`` never runs. The
+    learnable L is read from the device once per forward (one synchronisation on CUDA)."""
     m = GPT(ModelConfig(vocab_size=40, dim=24, heads=3, layers=2, scheme="fire", train_length=16,
-                        scheme_params={"shared": shared})).eval()
-    calls, reads = [], []
-    real_bias, real_floats = type(m.scheme).bias, tables._floats
-    monkeypatch.setattr(type(m.scheme), "bias", lambda self, *a, **kw: calls.append(1) or real_bias(self, *a, **kw))
+                        scheme_params={"shared": shared}))
+    calls, rows, reads = [], [], []
+    cls, real_floats = type(m.scheme), tables._floats
+    real_bias, real_rows = cls.bias, cls.distance_rows
+    monkeypatch.setattr(cls, "bias", lambda self, *a, **kw: calls.append(1) or real_bias(self, *a, **kw))
+    monkeypatch.setattr(cls, "distance_rows", lambda self, *a, **kw: rows.append(1) or real_rows(self, *a, **kw))
     monkeypatch.setattr(tables, "_floats", lambda t: reads.append(1) or real_floats(t))
+    x = torch.randint(0, 40, (1, 100))  # rows 17..99 beyond L = 16, in one block of 256 rows
+    m(x).sum().backward()
+    assert len(calls) == per_forward and len(reads) == 1 and not rows
     with torch.no_grad():
-        m(torch.randint(0, 40, (1, 100)))  # rows 17..99 beyond L = 16, in one block of 256 rows
-    assert len(calls) == per_forward and len(reads) == 1
+        m(x)
+    assert len(calls) == per_forward and len(reads) == 2 and len(rows) == 2
+
+
+def _banded(H=3, L_tr=20, seed=1):
+    """FIRE whose MLP has most of its breakpoints t = -b1/w1 inside (0, 1), where x = ψ(d)/ψ(i) lives: many
+    pieces per row, and bands where rows of a block change piece at different distances."""
+    s = _fire(H=H, layers=2, L_tr=L_tr, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w1 = (torch.rand(2, 32, generator=g, dtype=torch.float64) + 0.5) * torch.where(
+            torch.rand(2, 32, generator=g) < 0.5, -1.0, 1.0).double()
+        s.w1.copy_(w1)
+        s.b1.copy_(-torch.rand(2, 32, generator=g, dtype=torch.float64) * w1)
+        s.w2.mul_(4)
+    return s
+
+
+def test_rows_by_distance_equal_the_reproduction():
+    """``distance_rows`` (a block of rows by distance, the split path's layout without gradients) equals the
+    reproduction's [H, L, L] bias read at (m_r, m_r - d), -inf at d < 0: long blocks whose rows change piece at
+    different distances, chunks (d_lo > 0), short blocks and blocks that start before L."""
+    s = _banded()
+    t = s.pieces(1)[0]
+    assert int(((t > 0) & (t < 1)).sum()) >= 20  # the case the bands exist for
+    ref = _official_fire(s, 1, 400, s.original_length)  # [H, 400, 400]
+    for q0, R, d_lo, W in [(30, 256, -255, 541), (150, 200, -199, 548), (300, 100, -20, 150), (100, 7, 40, 60),
+                           (5, 40, -3, 60), (399, 1, 0, 400)]:
+        qp = torch.arange(q0, q0 + R)
+        G = s.distance_rows(qp, d_lo, W, 1)  # [H, R, W]
+        d = d_lo + torch.arange(W)
+        seen = (d[None] >= 0) & (d[None] <= qp[:, None])  # [R, W] inside the reproduction's rows
+        want = ref[:, qp[:, None].expand(R, W), (qp[:, None] - d[None]).clamp(0, 399)]  # [H, R, W]
+        torch.testing.assert_close(G[:, seen], want[:, seen], rtol=0, atol=1e-12)
+        assert torch.isneginf(G[:, (d < 0).expand(R, W)]).all()
+        out = torch.full((3, R, W), 7.0, dtype=torch.float64)
+        assert s.distance_rows(qp, d_lo, W, 1, out=out) is out and torch.equal(out, G)
+
+
+def test_split_path_without_gradients_reads_rows_by_distance(monkeypatch):
+    """Without gradients the queries beyond L run on rows by distance (``bias`` never runs): equal to the
+    reproduction's dense formula in fp64 for whole sequences, chunks after a cache, windows, small blocks and a
+    temperature; and a model's evaluation forward equals its forward with gradients (the dense blocks) in fp32."""
+    s = _banded()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 300, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    monkeypatch.setattr(type(s), "bias", lambda *a, **kw: pytest.fail("bias() ran"))
+    seen = _spy(monkeypatch)
+    cases = [(slice(0, 300), {}), (slice(0, 300), dict(block_size=37)), (slice(120, 300), {}),
+             (slice(0, 300), dict(window=50)), (slice(0, 300), dict(temperature=0.7))]
+    with torch.no_grad():
+        for qs, kw in cases:
+            qp, kp = torch.arange(300)[qs], torch.arange(300)
+            out, _ = attend(q[:, :, qs], k, v, qp, kp, s, 1, AttnOptions(**kw))
+            ref = _dense(q[:, :, qs] / kw.get("temperature", 1.0), k, v, qp, kp, s, 1, kw.get("window"))
+            if "temperature" in kw:  # tau divides the whole logit: scaled q·k and the bias
+                ref = _dense_tau(q[:, :, qs], k, v, qp, kp, s, 1, kw["temperature"])
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert seen == ["split"] * len(cases)
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=50, dim=24, heads=3, layers=2, scheme="fire", train_length=16))
+    with torch.no_grad():
+        for layer in range(2):  # breakpoints inside (0, 1), as _banded
+            w1 = m.scheme.w1[layer].abs() + 0.5
+            m.scheme.w1[layer].copy_(w1)
+            m.scheme.b1[layer].copy_(-torch.rand(32) * w1)
+    x = torch.randint(0, 50, (2, 200))
+    with torch.no_grad():
+        fast = m(x)
+    torch.testing.assert_close(fast, m(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def _dense_tau(q, k, v, q_pos, k_pos, s, layer, tau):
+    """softmax((q·k/sqrt(d) + b) / tau) v: the temperature divides the whole logit."""
+    top = int(max(q_pos.max(), k_pos.max())) + 1
+    b = _official_fire(s, layer, top, s.original_length)[:, q_pos][:, :, k_pos]
+    lg = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + b) / tau
+    return torch.softmax(lg.masked_fill(q_pos[:, None] < k_pos[None], -math.inf), -1) @ v
 
 
 def test_fire_has_no_trf_formula_and_says_why():

@@ -165,7 +165,7 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
             return "flex", None
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
-    if plain and split:  # queries up to T on the Toeplitz path, the rest as the fallback (rows per block)
+    if plain and split is not None:  # queries up to T (if any) on the Toeplitz path, the rest in row blocks
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "split", (tb if blocked or (impl == "auto" and split > tb) else None)
     return "fallback", block

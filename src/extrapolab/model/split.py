@@ -33,8 +33,12 @@ def split_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int,
     Lq, Lk = q.shape[2], k.shape[2]
     hi = min(Lk, a + n - c)  # keys after the last low query are masked for it
     low = toeplitz_attention(q[:, :, :n], k[:, :, :hi], v[:, :, :hi], a, c, db, layer, scale=scale, tau=tau,
-                             window=window, block=block, tau_h=tau_h)  # [B, H, n, D]
+                             window=window, block=block, tau_h=tau_h) if n else q[:, :, :0]  # [B, H, n, D]
     rows = Lq - n
+    if not torch.is_grad_enabled() and q.device.type == "cpu" and by_distance(scheme):
+        hb = max(1, min(int(block_size), SPLIT_BLOCK))
+        return torch.cat([low, _by_distance(q, k, v, q_pos, scheme, layer, starts, n, hb, scale=scale, tau=tau,
+                                            tau_s=tau_s, window=window)], dim=2)
     per_row = q.shape[0] * q.shape[1] * Lk * 4  # bytes of one row's dense mask
     hb = max(1, min(int(block_size), SPLIT_BLOCK, int(memory_budget_mb * 2**20 // per_row)))
     dense = None
@@ -44,6 +48,16 @@ def split_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int,
     high, _ = dense_attention(q[:, :, n:], k, v, q_pos[n:], k_pos, scheme, layer, tau=tau, window=window,
                               bias=dense, block=hb, fused=True, tau_s=tau_s)  # [B, H, rows, D]
     return torch.cat([low, high], dim=2)
+
+
+def scheme_dtype(scheme: PositionalScheme, q: torch.Tensor) -> torch.dtype:
+    """The dtype of the scheme's parameters (its bias is computed in it), q's when it has none."""
+    return next((p.dtype for p in scheme.parameters()), q.dtype)
+
+
+def by_distance(scheme: PositionalScheme) -> bool:
+    """Whether the scheme lays a block of rows out by distance (``distance_rows``; FIRE)."""
+    return type(scheme).distance_rows is not PositionalScheme.distance_rows
 
 
 def _block_bias(scheme, q_pos, k_pos, layer: int, rows: int) -> torch.Tensor:
@@ -56,3 +70,42 @@ def _block_bias(scheme, q_pos, k_pos, layer: int, rows: int) -> torch.Tensor:
         b = scheme.bias(qp, k_pos[:hi], layer)  # [H, bq, hi]
         parts.append(F.pad(b, (0, k_pos.numel() - hi), value=-math.inf))
     return torch.cat(parts, dim=1)
+
+
+def _by_distance(q, k, v, q_pos, scheme, layer: int, starts, n: int, rows: int, *, scale: float, tau: float,
+                 tau_s, window: int | None) -> torch.Tensor:
+    """Queries n.. without gradients, per block of ``rows``: the scheme's rows by distance
+    (``scheme.distance_rows``, G [H, R, W]) read as the mask over the keys in reverse order. Key j' of the
+    reversed keys is at distance d_lo + r + j' from query r, so the mask is the zero-copy view G[h, r, r + j']
+    (strides W + 1, 1): O(H·R·(Lk + R)) per block, and the scheme never evaluates b per (query, key). Every
+    block lives in one buffer [H, rows, Lk + rows] (fresh pages per block cost page faults); its first
+    columns, the future keys (d < 0), stay -inf from one block to the next. [B, H, Lq - n, D]."""
+    a, c = starts
+    H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
+    kf, vf = k.flip(2), v.flip(2)  # [B, H, Lk, D]: newest key first
+    Wm = Lk + rows
+    buf = torch.empty(H, rows, Wm, device=q.device, dtype=scheme_dtype(scheme, q))  # [H, rows, Wm]
+    inf_cols = 0  # buf[..., :inf_cols] holds -inf
+    outs = []
+    for s in range(n, Lq, rows):
+        e = min(Lq, s + rows)
+        R, hi = e - s, min(Lk, a + e - c)  # rows; keys up to the block's last query
+        d_lo = a + s - c - hi + 1  # distance from query s to the newest of those keys
+        W, neg = hi + R - 1, min(hi + R - 1, max(0, -d_lo))  # columns; those at d < 0
+        G = buf[:, :R, :W]  # [H, R, W], row stride Wm
+        if neg > inf_cols:
+            buf[..., inf_cols:neg].fill_(-math.inf)
+        inf_cols = neg if neg < W else max(inf_cols, neg)  # the block writes columns neg..W-1
+        if neg < W:
+            scheme.distance_rows(q_pos[s:e], d_lo + neg, W - neg, layer, out=G[..., neg:])  # d >= 0
+        if window is not None and window - d_lo < W:
+            G[..., max(neg, window - d_lo):].fill_(-math.inf)  # distances >= window
+        qb = q[:, :, s:e]  # [B, H, R, D]
+        if tau_s is not None:  # per head: divides q·k and the bias alike
+            G, qb = G / tau_s.reshape(-1, 1, 1).to(G.dtype), qb / tau_s[..., None].to(qb.dtype)
+        if tau != 1.0 or G.dtype != q.dtype:
+            G = (G / tau).to(q.dtype)
+        mask = G.as_strided((1, H, R, hi), (0, G.stride(0), G.stride(1) + 1, 1), G.storage_offset())  # [1, H, R, hi]
+        outs.append(F.scaled_dot_product_attention(qb, kf[:, :, Lk - hi:], vf[:, :, Lk - hi:], attn_mask=mask,
+                                                   scale=scale))  # [B, H, R, D]
+    return torch.cat(outs, dim=2)

@@ -19,6 +19,9 @@ A scheme is an ``nn.Module`` whose hooks are all no-ops by default; attention
 * ``for_layer(layer)``           -> the scheme a layer uses (per-layer hybrids); ``self`` by default
 * ``toeplitz_rows()``            -> [layers|1] position T_l up to which every query's bias is the distance
                                     table ``bias_from_distance(m - n)`` (FIRE: queries at m <= L), or None
+* ``distance_rows(q_pos, d_lo, width, layer, out)`` -> [H, Lq, width] the bias of a block of queries as a
+                                    function of the distance, G[h, r, i] = b_h(m_r, m_r - (d_lo + i)),
+                                    -inf for d < 0 (forward only; FIRE beyond L), or None
 
 Relative schemes (bias depends only on the distance k = m - n >= 0) subclass
 :class:`RelativeBias` and implement only ``bias_from_distance(dist, layer)``; the base class
@@ -145,6 +148,15 @@ class PositionalScheme(nn.Module):
         query (FIRE: the normaliser ψ(max(L, m)) is ψ(L) up to m = L). Attention then runs those queries on
         the Toeplitz path and the others on dense blocks (docs/attention.md, the "split" path); it reads T
         once per forward. Detached, no host read here."""
+        return None
+
+    def distance_rows(self, q_pos: torch.Tensor, d_lo: int, width: int, layer: int = 0,
+                      out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """None, or G [H, Lq, width] with G[h, r, i] = b_h(q_pos[r], q_pos[r] - d) at the distance d = d_lo + i
+        (-inf for d < 0): a block of rows of ``bias`` laid out by distance instead of by key, for a forward
+        without gradients, written into ``out`` (contiguous, that shape and the scheme's dtype) when given. The split path reads it through a strided view over keys in reverse order
+        (docs/attention.md), so a scheme whose rows are cheap by distance (FIRE: f_θ is linear on bands of
+        distances) never evaluates its bias per (query, key)."""
         return None
 
     def alibi_slopes(self, layer: int = 0) -> torch.Tensor | None:

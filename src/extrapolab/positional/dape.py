@@ -128,8 +128,9 @@ class DAPE(PositionalScheme):
             outs = []
             for j0 in range(0, bk, step):
                 pre = F.linear(z[..., j0:j0 + step].movedim(1, -1), w1[:, :H, 0, 0])  # [B, bq, c, W]
-                pre = pre + (b1 if bb is None else F.linear(bb[..., j0:j0 + step].movedim(0, -1), w1[:, H:, 0, 0], b1))
-                outs.append(F.linear(F.leaky_relu(pre), w2[:, :, 0, 0], b2).movedim(-1, 1))  # [B, H, bq, c]
+                pre = pre.add_(b1 if bb is None else F.linear(bb[..., j0:j0 + step].movedim(0, -1), w1[:, H:, 0, 0], b1))
+                hid = F.leaky_relu(pre, inplace=True)  # in place: autograd keeps one [B, bq, c, W] tensor per chunk
+                outs.append(F.linear(hid, w2[:, :, 0, 0], b2).movedim(-1, 1))  # [B, H, bq, c]
             return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         x = z if bb is None else torch.cat([z, bb.expand(B, -1, -1, -1)], 1)  # [B, C, bq, bk]
         x = F.pad(x.masked_fill(~visible, 0.0), (2 * P, 2 * P))  # future/out-of-window keys are zeros (official tril)

@@ -126,10 +126,10 @@ class FIRE(RelativeBias):
         beta = (w2 * w1) @ active.T  # [H, K+1]
         return t, alpha, beta
 
-    def piecewise(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """f_θ(x) [H, ...] through :meth:`pieces`: one piece index per x, then α_s + β_s·x per head (two
-        1-D gathers and one multiply-add; no [..., width] hidden tensor)."""
-        t, alpha, beta = self.pieces(layer)
+    def piecewise(self, x: torch.Tensor, layer: int = 0, pieces=None) -> torch.Tensor:
+        """f_θ(x) [H, ...] through :meth:`pieces` (or the ``pieces`` given): one piece index per x, then
+        α_s + β_s·x per head (two 1-D gathers and one multiply-add; no [..., width] hidden tensor)."""
+        t, alpha, beta = pieces or self.pieces(layer)
         s = torch.bucketize(x.detach().contiguous(), t.to(x.dtype).contiguous(), out_int32=True).reshape(-1)  # [N]
         flat = x.reshape(-1)
         alpha, beta = alpha.to(x.dtype), beta.to(x.dtype)
@@ -174,6 +174,50 @@ class FIRE(RelativeBias):
             fut = torch.arange(j0, Lk, device=q_pos.device)[None] > off + torch.arange(Lq, device=q_pos.device)[:, None]
             b[..., j0:].masked_fill_(fut, -math.inf)  # [H, Lq, Lk - j0]
         return b if dtype is None else b.to(dtype)
+
+    @torch.no_grad()
+    def distance_rows(self, q_pos, d_lo, width, layer=0, out=None):
+        """G [H, Lq, width] = f_θ(ψ(d)/ψ(max(L, m_r))) at the distance d = d_lo + i, -inf for d < 0. On row r,
+        x = ψ(d)·inv_r grows with d, so f changes piece at the distances D_k(r) = the first d with
+        ψ(d) > t_k / inv_r, and over a block of rows the D_k(r) move little. Outside the bands
+        [min_r D_k, max_r D_k) every row of a column is on one piece p and G = α_p + inv_r·(β_p·ψ(d)): one
+        pass for all heads and columns. In a band f is the piece below plus the ramps of its breakpoints,
+        f(x) = α_p + β_p·x + Σ_k (β_(k+1) − β_k)·max(x − t_k, 0) (f is continuous), all bands in one pass.
+        Forward only (one host read of the band limits per block)."""
+        dt, dev, H, R, W = self.c.dtype, q_pos.device, self.num_heads, q_pos.numel(), int(width)
+        G = torch.empty(H, R, W, device=dev, dtype=dt) if out is None else out  # [H, R, W]
+        neg = min(W, max(0, -int(d_lo)))  # columns at distances < 0: future keys
+        G[..., :neg].fill_(-math.inf)
+        start, end = max(0, int(d_lo)), int(d_lo) + W  # the distances [start, end) to fill
+        if start >= end:
+            return G
+        psi = self.psi(torch.arange(end, device=dev, dtype=dt), layer)  # [end] ψ(0..end-1)
+        inv = 1.0 / (self.psi(torch.maximum(q_pos.to(dt), self.threshold(layer).to(dt)), layer) + self.eps)  # [R]
+        t, alpha, beta = self._frozen_pieces(layer, dt)  # [K], [H, K+1], [H, K+1]
+        D = torch.searchsorted(psi, (t[None, :] / inv[:, None]).contiguous(), right=True)  # [R, K] D_k(r)
+        hi_t = D.amax(0)  # [K] max_r D_k(r), non-decreasing in k (so is every row's D_k(r))
+        lo, hi = D.amin(0).tolist(), hi_t.tolist()  # outside [lo_k, hi_k) all rows are on one side of t_k
+        p = torch.searchsorted(hi_t, torch.arange(start, end, device=dev), right=True)  # [n] piece below the bands
+        torch.addcmul(alpha[:, p][:, None, :], inv[None, :, None], (beta[:, p] * psi[start:])[:, None, :],
+                      out=G[:, :, start - int(d_lo):])  # [H, R, n] α_p + inv_r·β_p·ψ(d)
+        step = beta[:, 1:] - beta[:, :-1]  # [H, K] the slope each breakpoint adds
+        for k, (a, b) in enumerate(zip(lo, hi)):  # the band where some rows pass breakpoint k
+            a, b = max(a, start), min(b, end)
+            if a < b:
+                ramp = torch.addcmul(-t[k], psi[None, a:b], inv[:, None]).clamp_(min=0)  # [R, b-a] max(x − t_k, 0)
+                G[:, :, a - int(d_lo):b - int(d_lo)].addcmul_(step[:, k, None, None], ramp[None])
+        return G
+
+    def _frozen_pieces(self, layer: int, dt: torch.dtype):
+        """:meth:`pieces` without gradients, kept while the layer's MLP holds the same values (compared in full:
+        a few hundred numbers): every block of a forward, and every forward of an evaluation, reuses them."""
+        g = self._g(layer)
+        with torch.no_grad():
+            now = torch.cat([self.w1[g], self.b1[g], self.w2[g].flatten(), self.b2[g]]).tolist()
+            hit = self._table_cache.get(("pieces", g, dt))
+            if hit is None or hit[0] != now:
+                hit = self._table_cache[("pieces", g, dt)] = (now, *(x.to(dt) for x in self.pieces(layer)))
+        return hit[1:]
 
     def toeplitz_rows(self):
         """L per layer ([layers], or [1] when shared): queries at positions <= L see the distance table."""
