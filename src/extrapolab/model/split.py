@@ -1,9 +1,10 @@
 """The split path of :func:`.attention.attend` (docs/attention.md, row 7): schemes whose bias is a distance
 table only up to a query position T (``scheme.toeplitz_rows()``; FIRE, Li et al. 2024 §3: for a query at
 m <= L the normaliser ψ(max(L, m)) is ψ(L)). The queries at m <= T run on the Toeplitz path
-(:mod:`.toeplitz`, HankelSDPA for the learnable table), the others as the fallback with the scheme's
-dense bias per query block (:func:`.reference.dense_attention`); attention rows are independent, so the
-two outputs concatenate. Shapes: q [B,H,Lq,D], k/v [B,H,Lk,D].
+(:mod:`.toeplitz`, HankelSDPA for the learnable table), the others per query block: without gradients on
+the CPU from the scheme's rows by distance (``scheme.distance_rows``, a strided view as the fused kernel's
+mask), otherwise as the fallback with the scheme's dense bias (:func:`.reference.dense_attention`);
+attention rows are independent, so the outputs concatenate. Shapes: q [B,H,Lq,D], k/v [B,H,Lk,D].
 """
 from __future__ import annotations
 

@@ -26,10 +26,12 @@ text where this was written; the default follows the reproduction.
 Fast path (docs/attention.md, the "split" path): for a query at i ≤ L the normaliser is the constant
 ψ(L), so b is a function of i − j alone: a distance table (``bias_from_distance``, O(n·32·H) work)
 on the Toeplitz path, HankelSDPA with the table's gradient in training at L_tr. ``toeplitz_rows``
-tells attention up to which position that holds; queries beyond L (each with its own ψ(i)) take
-dense bias blocks computed by ``bias`` through f's linear pieces (``pieces``: f is piecewise linear
-in its scalar input with at most 32 breakpoints, so f(x) = α_s + β_s·x on the piece s holding x,
-exactly the MLP, with the same gradients almost everywhere).
+tells attention up to which position that holds. Queries beyond L (each with its own ψ(i)) go by
+f's linear pieces (``pieces``: f is piecewise linear in its scalar input with at most 32 breakpoints,
+so f(x) = α_s + β_s·x on the piece s holding x, exactly the MLP, with the same gradients almost
+everywhere): without gradients as blocks of rows laid out by distance (``distance_rows``: one pass
+per block outside the bands of distances where rows change piece), with them as dense blocks from
+``bias``.
 
 TRF: at a fixed query the bias is a function of the distance, but normalised by the query's own
 position, ψ(i − j)/ψ(max(L, i)) ∈ [0, 1]: there is no fixed kernel in i − j for Qin et al.'s series
