@@ -79,7 +79,7 @@ def _by_distance(q, k, v, q_pos, scheme, layer: int, starts, n: int, rows: int, 
     (``scheme.distance_rows``, G [H, R, W]) read as the mask over the keys in reverse order. Key j' of the
     reversed keys is at distance d_lo + r + j' from query r, so the mask is the zero-copy view G[h, r, r + j']
     (strides W + 1, 1): O(H·R·(Lk + R)) per block, and the scheme never evaluates b per (query, key). Every
-    block lives in one buffer [H, rows, Lk + rows] (fresh pages per block cost page faults); its first
+    block lives in one buffer [H, rows, Lk + rows] (one allocation per layer call, not per block); its first
     columns, the future keys (d < 0), stay -inf from one block to the next. [B, H, Lq - n, D]."""
     a, c = starts
     H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
