@@ -44,14 +44,15 @@ def _fire(H=3, layers=2, L_tr=20, shared=False, L_mult=1.37, seed=0):
     return s
 
 
-def _dense(q, k, v, q_pos, k_pos, s, layer, window=None):
-    """softmax(q·k/sqrt(d) + b_FIRE(i, j)) v, masked causally (and by the window), from the reproduction."""
+def _dense(q, k, v, q_pos, k_pos, s, layer, window=None, tau=1.0):
+    """softmax((q·k/sqrt(d) + b_FIRE(i, j)) / tau) v, masked causally (and by the window), from the reproduction
+    (the temperature divides the whole logit)."""
     top = int(max(q_pos.max(), k_pos.max())) + 1
     full = _official_fire(s, layer, top, s.original_length)  # [H, top, top] by absolute position
     b = full[:, q_pos][:, :, k_pos]
     dist = q_pos[:, None] - k_pos[None]
     bad = (dist < 0) if window is None else (dist < 0) | (dist >= window)
-    lg = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + b).masked_fill(bad, -math.inf)
+    lg = ((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + b) / tau).masked_fill(bad, -math.inf)
     return torch.softmax(lg, -1) @ v
 
 
@@ -235,9 +236,7 @@ def test_split_path_without_gradients_reads_rows_by_distance(monkeypatch):
         for qs, kw in cases:
             qp, kp = torch.arange(300)[qs], torch.arange(300)
             out, _ = attend(q[:, :, qs], k, v, qp, kp, s, 1, AttnOptions(**kw))
-            ref = _dense(q[:, :, qs] / kw.get("temperature", 1.0), k, v, qp, kp, s, 1, kw.get("window"))
-            if "temperature" in kw:  # tau divides the whole logit: scaled q·k and the bias
-                ref = _dense_tau(q[:, :, qs], k, v, qp, kp, s, 1, kw["temperature"])
+            ref = _dense(q[:, :, qs], k, v, qp, kp, s, 1, kw.get("window"), kw.get("temperature", 1.0))
             torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     assert seen == ["split"] * len(cases)
     monkeypatch.undo()
@@ -252,14 +251,6 @@ def test_split_path_without_gradients_reads_rows_by_distance(monkeypatch):
     with torch.no_grad():
         fast = m(x)
     torch.testing.assert_close(fast, m(x).detach(), rtol=1e-5, atol=1e-5)
-
-
-def _dense_tau(q, k, v, q_pos, k_pos, s, layer, tau):
-    """softmax((q·k/sqrt(d) + b) / tau) v: the temperature divides the whole logit."""
-    top = int(max(q_pos.max(), k_pos.max())) + 1
-    b = _official_fire(s, layer, top, s.original_length)[:, q_pos][:, :, k_pos]
-    lg = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + b) / tau
-    return torch.softmax(lg.masked_fill(q_pos[:, None] < k_pos[None], -math.inf), -1) @ v
 
 
 def test_fire_has_no_trf_formula_and_says_why():

@@ -154,9 +154,10 @@ class PositionalScheme(nn.Module):
                       out: torch.Tensor | None = None) -> torch.Tensor | None:
         """None, or G [H, Lq, width] with G[h, r, i] = b_h(q_pos[r], q_pos[r] - d) at the distance d = d_lo + i
         (-inf for d < 0): a block of rows of ``bias`` laid out by distance instead of by key, for a forward
-        without gradients, written into ``out`` (contiguous, that shape and the scheme's dtype) when given. The split path reads it through a strided view over keys in reverse order
-        (docs/attention.md), so a scheme whose rows are cheap by distance (FIRE: f_θ is linear on bands of
-        distances) never evaluates its bias per (query, key)."""
+        without gradients, written into ``out`` (that shape and the scheme's dtype, rows may be strided) when
+        given. The split path reads it through a strided view over keys in reverse order (docs/attention.md),
+        so a scheme whose rows are cheap by distance (FIRE: f_θ is linear on bands of distances) never
+        evaluates its bias per (query, key)."""
         return None
 
     def alibi_slopes(self, layer: int = 0) -> torch.Tensor | None:

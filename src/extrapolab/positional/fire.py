@@ -184,7 +184,7 @@ class FIRE(RelativeBias):
         ψ(d) > t_k / inv_r, and over a block of rows the D_k(r) move little. Outside the bands
         [min_r D_k, max_r D_k) every row of a column is on one piece p and G = α_p + inv_r·(β_p·ψ(d)): one
         pass for all heads and columns. In a band f is the piece below plus the ramps of its breakpoints,
-        f(x) = α_p + β_p·x + Σ_k (β_(k+1) − β_k)·max(x − t_k, 0) (f is continuous), all bands in one pass.
+        f(x) = α_p + β_p·x + Σ_k (β_(k+1) − β_k)·max(x − t_k, 0) (f is continuous), one pass per band.
         Forward only (one host read of the band limits per block)."""
         dt, dev, H, R, W = self.c.dtype, q_pos.device, self.num_heads, q_pos.numel(), int(width)
         G = torch.empty(H, R, W, device=dev, dtype=dt) if out is None else out  # [H, R, W]
