@@ -10,7 +10,8 @@ paired per round and refused across processes or sizes (:mod:`.timing`). Row gro
   attention alone (bias tables + every layer's attention, forward + backward; at demo size the
   vocabulary projection dominates a model step and hides it), at each L_tr;
 * long: one-sequence forward and attention-only forward at 4k-64k tokens, warmed up at that
-  length, ``long_repeats`` >= 3 rotated rounds; window-limited schemes are marked "sparse";
+  length, ``long_repeats`` >= 3 rotated rounds (``quick``: as many as the train rows); window-limited
+  schemes are marked "sparse";
 * generation: per-token time with a ``KVCache(window=w̄)`` at positions w̄..8·w̄ against one
   forward over the last w̄ tokens (re-encoding);
 * denormals: ALiBi and NoPE train steps with flush-to-zero on and off, one thread, same process.
@@ -41,7 +42,9 @@ from .groups import (attention_only, bench_denormals, bench_generation, bench_lo
 
 DEMO = ModelConfig(vocab_size=4096, layers=4, heads=4, dim=128, scheme=BASE)
 ROUNDS = 9  # paired rounds per row: a median's 95% interval within ±3% on an idle 2-core CPU
-QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64,
+#: --quick: one long length, so its forwards get as many rounds as the train rows (a 4,096-token round of the
+#: 18 schemes takes ~20 s on a 2-core CPU; with 3 rounds its ratios spread ±20%)
+QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64, long_repeats=ROUNDS,
              schemes=("sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich", "windowed",
                       "xpos", ("rotary+random", "rotary", {}, 2048), ("alibi+random", "alibi", {}, 2048),
                       "fox", "hybrid", "nope-headscale", "cope", "fire", "dape-alibi", "stick-breaking"))
@@ -86,6 +89,7 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
     (``auto``: bf16 on a GPU that supports it, fp32 on the CPU)."""
     if quick:
         lengths_train, long_lengths, gen_window = QUICK["lengths_train"], QUICK["long_lengths"], QUICK["gen_window"]
+        long_repeats = max(long_repeats, min(QUICK["long_repeats"], repeats))
     specs = as_specs(schemes or (QUICK["schemes"] if quick else positional.names()))
     if repeats < 1 or warmup < 0 or gen_window < 1 or any(int(L) < 2 for L in (*lengths_train, *long_lengths)):
         raise UserError("bench needs repeats >= 1, warmup >= 0, gen_window >= 1 and lengths >= 2")

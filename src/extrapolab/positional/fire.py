@@ -195,30 +195,38 @@ class FIRE(RelativeBias):
             return G
         psi = self.psi(torch.arange(end, device=dev, dtype=dt), layer)  # [end] ψ(0..end-1)
         inv = 1.0 / (self.psi(torch.maximum(q_pos.to(dt), self.threshold(layer).to(dt)), layer) + self.eps)  # [R]
-        t, alpha, beta = self._frozen_pieces(layer, dt)  # [K], [H, K+1], [H, K+1]
-        D = torch.searchsorted(psi, (t[None, :] / inv[:, None]).contiguous(), right=True)  # [R, K] D_k(r)
+        t, alpha, beta, t_list, steps = self._frozen_pieces(layer, dt)  # [K], [H, K+1], [H, K+1], K floats, [K, H, 1, 1]
+        # D_k(r) = searchsorted(ψ, t_k / inv_r) is monotone in inv_r, so its extremes over the rows are the
+        # values at the largest and the smallest inv_r: two rows of searches instead of R
+        ends = torch.stack([inv.max(), inv.min()])  # [2]
+        D = torch.searchsorted(psi, (t[None, :] / ends[:, None]).contiguous(), right=True)  # [2, K]
         hi_t = D.amax(0)  # [K] max_r D_k(r), non-decreasing in k (so is every row's D_k(r))
-        lo, hi = D.amin(0).tolist(), hi_t.tolist()  # outside [lo_k, hi_k) all rows are on one side of t_k
+        K = hi_t.numel()
+        lohi = torch.cat([D.amin(0), hi_t]).tolist()  # one host read
+        lo, hi = lohi[:K], lohi[K:]  # outside [lo_k, hi_k) all rows are on one side of t_k
         p = torch.searchsorted(hi_t, torch.arange(start, end, device=dev), right=True)  # [n] piece below the bands
         torch.addcmul(alpha[:, p][:, None, :], inv[None, :, None], (beta[:, p] * psi[start:])[:, None, :],
                       out=G[:, :, start - int(d_lo):])  # [H, R, n] α_p + inv_r·β_p·ψ(d)
-        step = beta[:, 1:] - beta[:, :-1]  # [H, K] the slope each breakpoint adds
         for k, (a, b) in enumerate(zip(lo, hi)):  # the band where some rows pass breakpoint k
             a, b = max(a, start), min(b, end)
             if a < b:
-                ramp = torch.addcmul(-t[k], psi[None, a:b], inv[:, None]).clamp_(min=0)  # [R, b-a] max(x − t_k, 0)
-                G[:, :, a - int(d_lo):b - int(d_lo)].addcmul_(step[:, k, None, None], ramp[None])
+                ramp = torch.outer(inv, psi[a:b]).sub_(t_list[k]).clamp_(min=0)  # [R, b-a] max(x − t_k, 0)
+                G[:, :, a - int(d_lo):b - int(d_lo)].addcmul_(steps[k], ramp)  # [H, R, b-a] += step_k·ramp
         return G
 
     def _frozen_pieces(self, layer: int, dt: torch.dtype):
-        """:meth:`pieces` without gradients, kept while the layer's MLP holds the same values (compared in full:
-        a few hundred numbers): every block of a forward, and every forward of an evaluation, reuses them."""
+        """:meth:`pieces` without gradients (t [K], α, β [H, K+1]), with t as floats and the slope each
+        breakpoint adds, β_(k+1) − β_k, as [K, H, 1, 1]; kept while the layer's MLP holds the same values
+        (compared in full: a few hundred numbers): every block of a forward, and every forward of an
+        evaluation, reuses them."""
         g = self._g(layer)
         with torch.no_grad():
             now = torch.cat([self.w1[g], self.b1[g], self.w2[g].flatten(), self.b2[g]]).tolist()
             hit = self._table_cache.get(("pieces", g, dt))
             if hit is None or hit[0] != now:
-                hit = self._table_cache[("pieces", g, dt)] = (now, *(x.to(dt) for x in self.pieces(layer)))
+                t, alpha, beta = (x.to(dt) for x in self.pieces(layer))
+                steps = (beta[:, 1:] - beta[:, :-1]).T.contiguous()[:, :, None, None]  # [K, H, 1, 1]
+                hit = self._table_cache[("pieces", g, dt)] = (now, t, alpha, beta, t.tolist(), steps)
         return hit[1:]
 
     def toeplitz_rows(self):
