@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from extrapolab import positional
 from extrapolab.model import attention as attn_mod
-from extrapolab.model import tables
+from extrapolab.model import split, tables
 from extrapolab.model.attention import AttnOptions, attend
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.model.toeplitz import HankelSDPA
@@ -251,6 +251,33 @@ def test_split_path_without_gradients_reads_rows_by_distance(monkeypatch):
     with torch.no_grad():
         fast = m(x)
     torch.testing.assert_close(fast, m(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_by_distance_keep_one_buffer_between_forwards(monkeypatch):
+    """The buffer of rows by distance is made once and reused by later forwards, shorter ones and no-grad after
+    inference mode included (its stale contents never leak into the result); one over SCRATCH_KEEP is not kept."""
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(vocab_size=50, dim=24, heads=3, layers=2, scheme="fire", train_length=16))
+    x = torch.randint(0, 50, (1, 200))
+    ref = m(x).detach()  # with gradients: the dense blocks
+
+    def kept():
+        return [v.data_ptr() for key, v in m.scheme._table_cache.items() if key[0] == "split_scratch"]
+
+    with torch.inference_mode():
+        a = m(x)
+    ptrs = kept()
+    assert len(ptrs) == 1
+    with torch.no_grad():
+        b, c = m(x[:, :150]), m(x)
+    assert kept() == ptrs
+    for got, want in ((a, ref), (b, ref[:, :150]), (c, ref)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(split, "SCRATCH_KEEP", 0)
+    with torch.no_grad():
+        d = m(x)
+    assert kept() == []
+    torch.testing.assert_close(d, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_fire_has_no_trf_formula_and_says_why():
