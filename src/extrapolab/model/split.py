@@ -97,8 +97,8 @@ def _scratch(scheme: PositionalScheme, db: DistanceBias, numel: int, device, dty
     return db.memo(key + (numel,), make)
 
 
-def _by_distance(q, k, v, q_pos, scheme, layer: int, db: DistanceBias, starts, n: int, rows: int, *, scale: float, tau: float,
-                 tau_s, window: int | None) -> torch.Tensor:
+def _by_distance(q, k, v, q_pos, scheme, layer: int, db: DistanceBias, starts, n: int, rows: int, *, scale: float,
+                 tau: float, tau_s, window: int | None) -> torch.Tensor:
     """Queries n.. without gradients, per block of ``rows``: the scheme's rows by distance
     (``scheme.distance_rows``, G [H, R, W]) read as the mask over the keys in reverse order. Key j' of the
     reversed keys is at distance d_lo + r + j' from query r, so the mask is the zero-copy view G[h, r, r + j']

@@ -128,10 +128,10 @@ class FIRE(RelativeBias):
         beta = (w2 * w1) @ active.T  # [H, K+1]
         return t, alpha, beta
 
-    def piecewise(self, x: torch.Tensor, layer: int = 0, pieces=None) -> torch.Tensor:
-        """f_θ(x) [H, ...] through :meth:`pieces` (or the ``pieces`` given): one piece index per x, then
-        α_s + β_s·x per head (two 1-D gathers and one multiply-add; no [..., width] hidden tensor)."""
-        t, alpha, beta = pieces or self.pieces(layer)
+    def piecewise(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """f_θ(x) [H, ...] through :meth:`pieces`: one piece index per x, then α_s + β_s·x per head (two
+        1-D gathers and one multiply-add; no [..., width] hidden tensor)."""
+        t, alpha, beta = self.pieces(layer)
         s = torch.bucketize(x.detach().contiguous(), t.to(x.dtype).contiguous(), out_int32=True).reshape(-1)  # [N]
         flat = x.reshape(-1)
         alpha, beta = alpha.to(x.dtype), beta.to(x.dtype)
@@ -195,7 +195,7 @@ class FIRE(RelativeBias):
             return G
         psi = self.psi(torch.arange(end, device=dev, dtype=dt), layer)  # [end] ψ(0..end-1)
         inv = 1.0 / (self.psi(torch.maximum(q_pos.to(dt), self.threshold(layer).to(dt)), layer) + self.eps)  # [R]
-        t, alpha, beta, t_list, steps = self._frozen_pieces(layer, dt)  # [K], [H, K+1], [H, K+1], K floats, [K, H, 1, 1]
+        t, alpha, beta, t_list, steps = self._frozen_pieces(layer, dt)  # [K], [H, K+1] x2, K floats, [K, H, 1, 1]
         # D_k(r) = searchsorted(ψ, t_k / inv_r) is monotone in inv_r, so its extremes over the rows are the
         # values at the largest and the smallest inv_r: two rows of searches instead of R
         ends = torch.stack([inv.max(), inv.min()])  # [2]
