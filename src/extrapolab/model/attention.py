@@ -10,7 +10,8 @@ equal to the reference. The paths, chosen by :func:`select_path`:
 * ``causal``     NoPE / rotary / absolute schemes: fused SDPA with ``is_causal``;
 * ``toeplitz``   :mod:`.toeplitz`, relative biases at contiguous positions: Hankel-view masks in
                  fused SDPA (CPU), HankelSDPA for learnable tables, tiled softmax for wht kernels;
-* ``flex``       :mod:`.flex`, relative biases on CUDA: FlexAttention ``score_mod`` + block masks;
+* ``flex``       :mod:`.flex`, relative biases on CUDA: FlexAttention ``score_mod`` + block masks; for a
+                 scheme with ``flex_bias`` (FIRE beyond L) its own term per (query, key), no mask;
 * ``folded``     :mod:`.folded`, ALiBi-form biases -s_h·(p_m - p_n) at any increasing positions
                  (ALiBi with gaps or random positions, FoX's positions from content, a per-query
                  temperature): the key term as one extra head dimension of the fused causal kernel;
@@ -165,6 +166,12 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
             return "flex", None
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
+    if plain and split is not None and scheme.has_flex_bias and (  # the scheme's own score_mod, no mask
+            impl == "flex" or (impl == "auto" and flex.pays(device, Lq, Lk, D, dtype))):
+        if device == "cpu" and grad:
+            raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
+                            "use impl='auto' on CPU or run on CUDA")
+        return "flex", None
     if plain and split is not None:  # queries up to T (if any) on the Toeplitz path, the rest in row blocks
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "split", (tb if blocked or (impl == "auto" and split > tb) else None)
@@ -244,6 +251,14 @@ def attend(
         return folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, base_scale=base, scale=scale,
                                 tau_rows=rows, window=opts.window, block=block, same=same), None
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
+    if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
+        try:
+            return flex.flex_rows_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau, window=opts.window,
+                                       tau_h=tau_h), None
+        except flex.RecompileLimit as full:  # never the eager dense fallback: the split path
+            flex.warn_limit(q, k, scheme.learnable, full.limit, "split")
+            tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
+            path, block = "split", (tb if split > tb else None)
     if path == "split":
         return split_attention(q, k, v, q_pos, k_pos, scheme, layer, db, starts, split, block, scale=scale,
                                tau=tau, tau_h=tau_h, tau_s=tau_s, window=opts.window, block_size=opts.block_size,

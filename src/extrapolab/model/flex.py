@@ -8,6 +8,10 @@ Attention Kernels"; ``torch.nn.attention.flex_attention``) compiles one fused ke
     score_mod: s -> (s · w[h, d] + b[h, d]) / tau      s = q·k / sqrt(d_head); w only for KERPLE wht
     mask:      d >= 0, d < n and some head's b[·, d] finite (and d < window for windowed@w)
 
+A scheme whose rows are not one distance table (FIRE beyond L: each query its own normaliser) writes its
+own term instead (``scheme.flex_bias``, :func:`flex_rows_path`): score_mod s -> (s + b_h(q_idx, kv_idx)) / tau,
+b evaluated inside the kernel from the tensors it captures, under the causal (or window) block mask.
+
 The mask covers causal attention, the windowed scheme, evaluation-time windows, T5/KERPLE/ALiBi/
 Sandwich/Qin (all distances), and each sliding-dilated level's dilation (RegularGPT eq. 6.1:
 finite only at d = j·C^l), from one rule: the table's finite pattern. The :class:`BlockMask` is
@@ -127,16 +131,16 @@ def kernel(device: str):
     return _COMPILED[0]
 
 
-def limit_warning(q: torch.Tensor, k: torch.Tensor, learnable: bool, limit: int) -> str:
-    """The one line printed (once per shape) when a shape past the limit takes the Toeplitz path."""
+def limit_warning(q: torch.Tensor, k: torch.Tensor, learnable: bool, limit: int, path: str = "Toeplitz") -> str:
+    """The one line printed (once per shape) when a shape past the limit takes the Toeplitz (or split) path."""
     B, H, Lq, D = q.shape
     return (f"FlexAttention holds its {limit} compiled graphs: shape B={B} H={H} Lq={Lq} Lk={k.shape[2]} D={D} "
             f"{str(q.dtype).replace('torch.', '')} grad={torch.is_grad_enabled()} learnable={learnable} runs on the "
-            "Toeplitz path instead; raise extrapolab.model.flex.RECOMPILE_LIMIT to compile more")
+            f"{path} path instead; raise extrapolab.model.flex.RECOMPILE_LIMIT to compile more")
 
 
-def warn_limit(q, k, learnable: bool, limit: int) -> None:
-    warnings.warn(limit_warning(q, k, learnable, limit), RuntimeWarning, stacklevel=3)
+def warn_limit(q, k, learnable: bool, limit: int, path: str = "Toeplitz") -> None:
+    warnings.warn(limit_warning(q, k, learnable, limit, path), RuntimeWarning, stacklevel=3)
 
 
 def score_mod_for(bias: torch.Tensor, weight: torch.Tensor | None, off: torch.Tensor, inv_tau: torch.Tensor):
@@ -220,15 +224,51 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
     key = ("flexmask", q.device, Lq, Lk, a - c, window, db.layer_key(layer))
     if scheme.learnable:  # the finite pattern of this forward's table, built on the device once
         bm = db.memo(key, lambda: block_mask(_finite(bias, window), Lq, Lk, a - c))
-    else:  # (finite, BlockMask) on the scheme: the tensor lets ``cached`` see inference mode
-        hit = scheme.cached(key)
-        if hit is None:
-            fin = _finite(bias, window)  # [n]
-            hit = scheme._table_cache[key] = (fin, block_mask(fin, Lq, Lk, a - c))
-        bm = hit[1]
+    else:
+        bm = _kept_mask(scheme, key, lambda: _finite(bias, window), Lq, Lk, a - c)
     dev = q.device
     off = db.memo(("off", dev, a - c), lambda: torch.full((), a - c, device=dev, dtype=torch.int64))
     inv_tau = db.memo(("inv_tau", dev, float(tau), bias.dtype),
                       lambda: torch.full((), 1.0 / tau, device=dev, dtype=bias.dtype))
     mod = score_mod_for(bias, weight, off, inv_tau)
+    return kernel(dev.type)(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+
+
+def _kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):
+    """The BlockMask of a pattern that does not change with the scheme's parameters, kept on the scheme as
+    (finite, BlockMask): the tensor lets ``cached`` see inference mode."""
+    hit = scheme.cached(key)
+    if hit is None:
+        fin = finite()  # [n]
+        hit = scheme._table_cache[key] = (fin, block_mask(fin, Lq, Lk, off))
+    return hit[1]
+
+
+def flex_rows_path(q, k, v, a: int, c: int, scheme, layer: int, *, scale: float, tau: float = 1.0,
+                   window: int | None = None, tau_h: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c.. (c <= a) -> out [B,H,Lq,D] for a scheme with
+    ``flex_bias`` (FIRE, whose rows beyond L each have their own normaliser): score_mod = (s + b_h(m, n)) / tau,
+    b evaluated per (query, key) inside the kernel, so no mask and no table of rows exists; the block mask is
+    causal (and the window). ``tau_h`` [H|1] divides q and the bias per head. Raises :class:`RecompileLimit`
+    when the compiled kernel is full (attend() then takes the split path). No host read."""
+    H, Lq, Lk, dev = q.shape[1], q.shape[2], k.shape[2], q.device
+    n = a + Lq - c  # distances 0 .. n - 1
+    bias = scheme.flex_bias(layer, a, c, Lq, n)
+
+    def finite():
+        d = torch.arange(n, device=dev)  # [n]
+        return d >= 0 if window is None else d < window
+
+    bm = _kept_mask(scheme, ("flexrows", dev, Lq, Lk, a - c, window), finite, Lq, Lk, a - c)
+    wp = torch.float64 if q.dtype == torch.float64 else torch.float32  # FlexAttention's working precision
+    inv_tau = torch.full((), 1.0 / tau, device=dev, dtype=wp)
+    if tau_h is None:
+        def mod(score, b, h, q_idx, kv_idx):
+            return (score + bias(h, q_idx, kv_idx)) * inv_tau
+    else:
+        q = q / tau_h.view(1, -1, 1, 1).to(q.dtype)  # [B, H, Lq, D]
+        inv_h = (1.0 / tau_h.reshape(-1).to(wp)).expand(H).contiguous()  # [H]
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return (score + bias(h, q_idx, kv_idx) * inv_h[h]) * inv_tau
     return kernel(dev.type)(q, k, v, score_mod=mod, block_mask=bm, scale=scale)

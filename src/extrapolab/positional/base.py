@@ -22,6 +22,9 @@ A scheme is an ``nn.Module`` whose hooks are all no-ops by default; attention
 * ``distance_rows(q_pos, d_lo, width, layer, out)`` -> [H, Lq, width] the bias of a block of queries as a
                                     function of the distance, G[h, r, i] = b_h(m_r, m_r - (d_lo + i)),
                                     -inf for d < 0 (forward only; FIRE beyond L), or None
+* ``flex_bias(layer, a, c, Lq, n)`` -> bias(h, q_idx, kv_idx) of the queries at a.. over the keys at c..,
+                                    pointwise on captured tensors: the scheme's own FlexAttention term
+                                    where its rows are not one distance table (FIRE beyond L), or None
 
 Relative schemes (bias depends only on the distance k = m - n >= 0) subclass
 :class:`RelativeBias` and implement only ``bias_from_distance(dist, layer)``; the base class
@@ -160,6 +163,15 @@ class PositionalScheme(nn.Module):
         evaluates its bias per (query, key)."""
         return None
 
+    def flex_bias(self, layer: int, a: int, c: int, Lq: int, n: int):
+        """None, or ``bias(h, q_idx, kv_idx)`` -> the bias b_h(a + q_idx, c + kv_idx) for the Lq queries at
+        positions a.. over keys at c.. (distance d = a - c + q_idx - kv_idx, 0 <= d < n; the mask is the
+        caller's), written with pointwise tensor ops on tensors it captures (its parameters keep their
+        graph): FlexAttention's ``score_mod`` evaluates it per (query, key) inside one fused kernel, so a
+        scheme whose rows are not one distance table (FIRE beyond L: each query its own normaliser) needs
+        no mask (docs/attention.md, row 7 on CUDA). No host read."""
+        return None
+
     def alibi_slopes(self, layer: int = 0) -> torch.Tensor | None:
         """[H] float64 when this layer's whole additive term is -slope_h·(p_m - p_n) (ALiBi form),
         with p the token positions or, for ``has_content`` schemes, ``content_positions``; else None.
@@ -194,6 +206,11 @@ class PositionalScheme(nn.Module):
     @property
     def has_bias(self) -> bool:
         return self.kind == "bias"
+
+    @property
+    def has_flex_bias(self) -> bool:
+        """The scheme writes its own FlexAttention term (``flex_bias``; FIRE)."""
+        return type(self).flex_bias is not PositionalScheme.flex_bias
 
     @property
     def learnable(self) -> bool:

@@ -229,6 +229,25 @@ class FIRE(RelativeBias):
                 hit = self._table_cache[("pieces", g, dt)] = (now, t, alpha, beta, t.tolist(), steps)
         return hit[1:]
 
+    def flex_bias(self, layer, a, c, Lq, n):
+        """b_h for FlexAttention's score_mod: x = ψ(d)·(1/ψ(max(L, a + q_idx))) from two captured vectors, then
+        f_θ as written, Linear(1, W) → ReLU → Linear(W, H) unrolled over the W hidden units (pointwise ops
+        only, so the compiled kernel fuses them; every parameter keeps its gradient). No host read."""
+        g, dt, dev = self._g(layer), self.c.dtype, self.c.device
+        psi = self.psi(torch.arange(n, device=dev, dtype=dt), layer)  # [n] ψ(d)
+        qp = torch.arange(Lq, device=dev, dtype=dt) + a  # [Lq] query positions
+        inv = 1.0 / (self.psi(torch.maximum(qp, self.threshold(layer).to(dt)), layer) + self.eps)  # [Lq]
+        w1, b1, w2, b2 = self.w1[g], self.b1[g], self.w2[g], self.b2[g]  # [W], [W], [H, W], [H]
+        off = torch.full((), a - c, device=dev, dtype=torch.int64)  # filled on the device
+
+        def bias(h, q_idx, kv_idx):
+            x = psi[(q_idx - kv_idx + off).clamp(0, n - 1)] * inv[q_idx]
+            out = b2[h]
+            for u in range(self.width):
+                out = out + w2[h, u] * torch.relu(x * w1[u] + b1[u])
+            return out
+        return bias
+
     def toeplitz_rows(self):
         """L per layer ([layers], or [1] when shared): queries at positions <= L see the distance table."""
         return (self.L_mult.detach().abs() * self.original_length)  # [G]
