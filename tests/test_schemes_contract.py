@@ -159,6 +159,25 @@ def test_distance_table_agrees_with_bias(name, opts):
 
 
 @pytest.mark.parametrize("name,opts", CASES)
+def test_flex_bias_agrees_with_bias(name, opts):
+    """A scheme's FlexAttention term (``flex_bias``, pointwise, so it broadcasts over a grid of indices) equals
+    ``bias`` at every visible (query, key), for queries after a cached prefix."""
+    with registered(name):
+        s = _scheme(name, opts)
+        if not s.has_flex_bias:
+            pytest.skip("no flex_bias: FlexAttention reads the distance table, if any")
+        a, c, Lq = 13, 5, 50  # queries at 13..62 over keys at 5..62
+        q_pos, k_pos = torch.arange(a, a + Lq), torch.arange(c, a + Lq)
+        h, qi, ki = torch.arange(H)[:, None, None], torch.arange(Lq)[None, :, None], torch.arange(len(k_pos))[None, None]
+        visible = q_pos[:, None] >= k_pos[None]  # [Lq, Lk]
+        for layer in _layers(s):
+            with torch.no_grad():
+                got = s.flex_bias(layer, a, c, Lq, a + Lq - c)(h, qi, ki)  # [H, Lq, Lk]
+                want = s.bias(q_pos, k_pos, layer)
+            torch.testing.assert_close(got.expand_as(want)[:, visible], want[:, visible], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,opts", CASES)
 def test_learnable_flag_matches_parameters_and_gradients(name, opts):
     with registered(name):
         model = _model(name, opts, train_length=24)
