@@ -158,19 +158,20 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     toeplitz = plain and (is_toeplitz(scheme, allow_weight=True) or (split is not None and split >= Lq))
     if folded and not dense_bias and (content or tau_rows or not toeplitz):
         return "folded", fold_block(opts.block_size, blocked)
-    if toeplitz:
-        if impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype)):
-            if device == "cpu" and grad:
-                raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
-                                "use impl='auto' on CPU or run on CUDA")
-            return "flex", None
-        tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
-        return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
-    if plain and split is not None and scheme.has_flex_bias and (  # the scheme's own score_mod, no mask
-            impl == "flex" or (impl == "auto" and flex.pays(device, Lq, Lk, D, dtype))):
+    def take_flex() -> bool:  # asked for, or `auto` where it pays; never with input gradients on the CPU
+        if not (impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype))):
+            return False
         if device == "cpu" and grad:
             raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
                             "use impl='auto' on CPU or run on CUDA")
+        return True
+
+    if toeplitz:
+        if take_flex():
+            return "flex", None
+        tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
+        return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
+    if plain and split is not None and scheme.has_flex_bias and take_flex():  # the scheme's own score_mod
         return "flex", None
     if plain and split is not None:  # queries up to T (if any) on the Toeplitz path, the rest in row blocks
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)

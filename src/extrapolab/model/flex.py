@@ -255,9 +255,9 @@ def flex_rows_path(q, k, v, a: int, c: int, scheme, layer: int, *, scale: float,
     n = a + Lq - c  # distances 0 .. n - 1
     bias = scheme.flex_bias(layer, a, c, Lq, n)
 
-    def finite():
-        d = torch.arange(n, device=dev)  # [n]
-        return d >= 0 if window is None else d < window
+    def finite():  # [n] every distance is visible, up to the window
+        d = torch.arange(n, device=dev)
+        return torch.ones_like(d, dtype=torch.bool) if window is None else d < window
 
     bm = _kept_mask(scheme, ("flexrows", dev, Lq, Lk, a - c, window), finite, Lq, Lk, a - c)
     wp = torch.float64 if q.dtype == torch.float64 else torch.float32  # FlexAttention's working precision

@@ -105,6 +105,11 @@ class FIRE(RelativeBias):
         dt = self.c.dtype
         return self.psi(dist.to(dt), layer) * (1.0 / (self.psi(norm.to(dt), layer) + self.eps))
 
+    def inv_norm(self, q_pos: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """1 / (ψ(max(L, m)) + eps) per query position m [Lq]: the factor every row's ψ(d) is scaled by."""
+        dt = self.c.dtype
+        return 1.0 / (self.psi(torch.maximum(q_pos.to(dt), self.threshold(layer).to(dt)), layer) + self.eps)
+
     def mlp(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """f_θ(x): x [...] -> [H, ...], the MLP as written (hidden [..., width])."""
         g = self._g(layer)
@@ -156,7 +161,7 @@ class FIRE(RelativeBias):
         view (rows reversed), so a block costs a few passes over [Lq, Lk] per head."""
         dt = self.c.dtype
         Lq, Lk = q_pos.numel(), k_pos.numel()
-        inv = 1.0 / (self.psi(torch.maximum(q_pos.to(dt), self.threshold(layer).to(dt)), layer) + self.eps)  # [Lq]
+        inv = self.inv_norm(q_pos, layer)  # [Lq]
         if not (Lq and Lk and _contiguous(q_pos) and _contiguous(k_pos)):
             dist = causal_distance(q_pos, k_pos)  # [Lq, Lk]
             dmax = int(dist.max().clamp(min=0)) if dist.numel() else 0
@@ -194,7 +199,7 @@ class FIRE(RelativeBias):
         if start >= end:
             return G
         psi = self.psi(torch.arange(end, device=dev, dtype=dt), layer)  # [end] ψ(0..end-1)
-        inv = 1.0 / (self.psi(torch.maximum(q_pos.to(dt), self.threshold(layer).to(dt)), layer) + self.eps)  # [R]
+        inv = self.inv_norm(q_pos, layer)  # [R]
         t, alpha, beta, t_list, steps = self._frozen_pieces(layer, dt)  # [K], [H, K+1] x2, K floats, [K, H, 1, 1]
         # D_k(r) = searchsorted(ψ, t_k / inv_r) is monotone in inv_r, so its extremes over the rows are the
         # values at the largest and the smallest inv_r: two rows of searches instead of R
@@ -235,8 +240,7 @@ class FIRE(RelativeBias):
         only, so the compiled kernel fuses them; every parameter keeps its gradient). No host read."""
         g, dt, dev = self._g(layer), self.c.dtype, self.c.device
         psi = self.psi(torch.arange(n, device=dev, dtype=dt), layer)  # [n] ψ(d)
-        qp = torch.arange(Lq, device=dev, dtype=dt) + a  # [Lq] query positions
-        inv = 1.0 / (self.psi(torch.maximum(qp, self.threshold(layer).to(dt)), layer) + self.eps)  # [Lq]
+        inv = self.inv_norm(torch.arange(Lq, device=dev, dtype=dt) + a, layer)  # [Lq] at the query positions
         w1, b1, w2, b2 = self.w1[g], self.b1[g], self.w2[g], self.b2[g]  # [W], [W], [H, W], [H]
         off = torch.full((), a - c, device=dev, dtype=torch.int64)  # filled on the device
 
