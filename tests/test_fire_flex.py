@@ -12,6 +12,7 @@ from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.positional.fire import FIRE
 from fire_ref import dense, fire
+from flexspy import CountSyncs, stub_kernel
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention")
 
@@ -104,9 +105,7 @@ def test_a_full_kernel_sends_fire_rows_to_the_split_path_with_one_warning(monkey
 def test_flex_rows_read_nothing_back_per_layer(monkeypatch):
     """A whole FIRE forward beyond L on the flex path (kernel stubbed): the host reads do not grow with
     the number of layers (the split point is read once per forward)."""
-    from test_flex_limits import CountSyncs, _stub_kernel
-
-    monkeypatch.setattr(flex, "kernel", lambda device: _stub_kernel)
+    monkeypatch.setattr(flex, "kernel", lambda device: stub_kernel)
     counts = []
     for layers in (2, 6):
         torch.manual_seed(0)

@@ -7,14 +7,13 @@ recompile limit is driven for real; host-device synchronisations are counted wit
 """
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from extrapolab import positional
 from extrapolab.model import flex
 from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
 
-from flexspy import eager_dense_calls
+from flexspy import CountSyncs, eager_dense_calls, stub_kernel
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention (needs >= 2.6)")
 
@@ -95,33 +94,13 @@ def test_automatic_rule_skips_short_lengths_and_old_torch(monkeypatch):
 
 
 # ---- host-device synchronisations -----------------------------------------------------------
-#: ops that read a device value back to the host, or copy host data into a (device) tensor
-SYNC_OPS = {"_local_scalar_dense", "equal", "nonzero", "is_nonzero", "item", "lift_fresh", "lift_fresh_copy"}
-
-
-class CountSyncs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if name in SYNC_OPS:
-            self.calls.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-def _stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None):
-    # touch what the compiled kernel would read, without running FlexAttention under the mode
-    assert block_mask is not None and callable(score_mod)
-    return torch.zeros_like(q)
 
 
 @pytest.mark.parametrize("name", ["alibi", "kerple-log", "t5", "sliding-dilated", "kerple-bias-wht"])
 def test_flex_path_has_no_host_device_sync_per_layer(name, monkeypatch):
     """A whole forward on the flex path: the syncs do not grow with the number of layers (they are
     the few once-per-forward position checks), for fixed and learnable tables, training and not."""
-    monkeypatch.setattr(flex, "kernel", lambda device: _stub_kernel)
+    monkeypatch.setattr(flex, "kernel", lambda device: stub_kernel)
     counts = {}
     for layers in (2, 6):
         torch.manual_seed(0)
