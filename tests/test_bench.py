@@ -8,7 +8,9 @@ from extrapolab.io import UserError
 from extrapolab.model.gpt import ModelConfig
 from extrapolab.perf.bench import run_bench
 from extrapolab.perf.table import check_goals, format_table
-from extrapolab.perf.timing import ProvenanceError, median_ci, paired_ratio, provenance, round_robin, rotated
+from extrapolab.perf import timing
+from extrapolab.perf.timing import (ProvenanceError, median_ci, paired_ratio, paired_rounds, provenance, round_robin,
+                                     rotated)
 
 TINY = ModelConfig(vocab_size=64, layers=2, heads=2, dim=16)
 
@@ -33,6 +35,8 @@ def test_rows_of_one_pass_share_process_and_sizes(tiny):
         assert r["batch"] == 2 and all(len(r[k]) == 3 for k in ("step_s", "fwd_s", "attn_s"))
         for k in ("step_s", "fwd_s", "attn_s"):  # the stored ratio is the paired one, recomputable
             assert r[k + "_ratio"] == paired_ratio(r, rows["none"], k)
+            assert (k + "_beside" in r) == (r is not rows["none"])  # NoPE's time next to each call
+    assert len(rows["alibi"]["step_s_beside"]) == 3 and "fwd_s_beside" in res["long"]["200"]["alibi"]
     assert rows["none"]["step_s_ratio"]["median"] == 1.0
 
 
@@ -77,6 +81,47 @@ def test_rounds_rotate_so_nope_is_not_always_first():
                       3, __import__("torch").device("cpu"))
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"] and all(len(v) == 3 for v in res.values())
     assert rotated([1, 2, 3], 4) == [2, 3, 1]
+
+
+def test_each_call_is_timed_next_to_a_call_of_its_baseline():
+    """paired_rounds: every job but the baselines runs right after or right before its own baseline's call
+    (the baseline first in alternate pairs), in the rotated order; a baseline's time per round is the
+    median of its calls, a job without a baseline is timed alone."""
+    calls = []
+    jobs = {n: (lambda n=n: calls.append(n)) for n in ("B1", "B2", "a", "b", "c", "solo")}
+    base_of = {"a": "B1", "b": "B2", "c": "B1"}
+    times, beside = paired_rounds(jobs, base_of, 2, __import__("torch").device("cpu"))
+    assert calls == ["B1", "a", "b", "B2", "B1", "c", "solo",  # round 0: a, b, c, solo
+                     "b", "B2", "B1", "c", "solo", "B1", "a"]  # round 1 rotated: b, c, solo, a
+    assert set(beside) == {"a", "b", "c"} and all(len(times[n]) == 2 for n in jobs)
+
+
+def test_pairing_next_to_the_baseline_cancels_a_slowdown_of_the_host(monkeypatch):
+    """A host that runs 3x slower for stretches of a few calls: paired with the NoPE call next to it, each
+    ratio is the true one (1.5x) in every round; paired with NoPE's one call per round (round_robin), the
+    ratio also reads the slowdown."""
+    import torch
+
+    cost = {"none": 1.0, "x": 1.5, "y": 2.0, "z": 1.0}
+    jobs = {n: (lambda n=n: n) for n in cost}
+    clock = []
+
+    def fake_timed(fn, device):
+        clock.append(fn())
+        slow = 3.0 if (len(clock) - 1) // 2 % 3 == 1 else 1.0  # pairs of calls: every third pair is slow
+        return cost[fn()] * slow
+
+    monkeypatch.setattr(timing, "timed", fake_timed)
+    cpu = torch.device("cpu")
+    times, beside = paired_rounds(jobs, {n: "none" for n in ("x", "y", "z")}, 6, cpu)
+    prov = provenance(cpu, L=1)
+    row, base = {**prov, "t": times["x"], "t_beside": beside["x"]}, {**prov, "t": times["none"]}
+    r = paired_ratio(row, base, "t")
+    assert r["min"] == r["max"] == pytest.approx(1.5)
+    clock.clear()
+    rr = round_robin(jobs, 6, cpu)
+    per = [a / b for a, b in zip(rr["x"], rr["none"])]
+    assert max(per) / min(per) > 2
 
 
 def test_median_interval_from_order_statistics():

@@ -15,7 +15,7 @@ from ..model.gpt import GPT
 from ..positional import randomized
 from ..train.step import autocast
 from .context import BASE, Context, Spec, build_model
-from .timing import add_ratios, paired_ratio, round_robin, timed
+from .timing import add_ratios, paired_ratio, paired_rounds, round_robin, timed
 
 
 def attention_only(model: GPT, B: int, L: int, grad: bool) -> Callable[[], None]:
@@ -79,6 +79,12 @@ def _train_jobs(ctx: Context, m: GPT, x, y, parts, B, L, max_position: int = 0) 
     return {k: ctx.amp(v) for k, v in jobs.items() if k in parts}
 
 
+def _bases(jobs) -> dict:
+    """Each (label, part) job's baseline job: NoPE's same part (when NoPE is benched: not by a group that
+    skipped it), timed next to it by :func:`.timing.paired_rounds`."""
+    return {j: (BASE, j[1]) for j in jobs if j[0] != BASE and (BASE, j[1]) in jobs}
+
+
 def bench_train(ctx: Context) -> dict:
     out, parts = {}, tuple(ctx.opts.get("parts", ("step_s", "fwd_s", "attn_s")))
     for L in ctx.opts["lengths_train"]:
@@ -93,7 +99,7 @@ def bench_train(ctx: Context) -> dict:
                 for _ in range(ctx.warmup):
                     fn()
                 jobs[(s.label, part)] = fn
-        times = round_robin(jobs, ctx.rounds, ctx.device)
+        times, beside = paired_rounds(jobs, _bases(jobs), ctx.rounds, ctx.device)
         prov = ctx.prov(L=L, batch=B, group="train")
         rows = {}
         for s in ctx.specs:
@@ -101,7 +107,8 @@ def bench_train(ctx: Context) -> dict:
                 jobs[(s.label, parts[0])]()
             rows[s.label] = {"scheme": s.name, "batch": B, **prov, "peak_mib": mem.mib,
                              "params": sum(p.numel() for p in models[s.label].parameters()),
-                             **{p: times[(s.label, p)] for p in parts}}
+                             **{p: times[(s.label, p)] for p in parts},
+                             **{p + "_beside": beside[(s.label, p)] for p in parts if (s.label, p) in beside}}
             why = unfused_reason(models[s.label])
             if why:  # no fused kernel: the bench says why
                 rows[s.label]["unfused"] = why
@@ -137,11 +144,12 @@ def bench_long(ctx: Context) -> dict:
             jobs[(s.label, "fwd_s")], jobs[(s.label, "attn_s")] = fwd, attn
             mems[s.label] = (mem.mib, mem.abs_mib, window_limited(m, L), unfused_reason(m))
         ctx.say(f"long L={L}: {len(mems)} schemes x {rounds} rotated rounds")
-        times = round_robin(jobs, rounds, ctx.device)
+        times, beside = paired_rounds(jobs, _bases(jobs), rounds, ctx.device)
         prov = ctx.prov(L=L, batch=1, group="long")
         for label, (mib, abs_mib, sparse, why) in mems.items():
             rows[label] = {**prov, "peak_mib": mib, "peak_abs_mib": abs_mib, "sparse": sparse,
-                           "fwd_s": times[(label, "fwd_s")], "attn_s": times[(label, "attn_s")],
+                           **{p: times[(label, p)] for p in ("fwd_s", "attn_s")},
+                           **{p + "_beside": beside[(label, p)] for p in ("fwd_s", "attn_s") if (label, p) in beside},
                            **({"unfused": why} if why else {})}
         if BASE in mems:
             add_ratios({k: r for k, r in rows.items() if "skipped" not in r}, BASE, ("fwd_s", "attn_s"))

@@ -155,7 +155,8 @@ def format_table(result: dict) -> str:
     meta = result["meta"]
     lines = [f"torch {meta['torch']} on {meta['device']} ({meta.get('precision', 'fp32')}), {meta['threads']} threads, {meta['cpus']} CPUs, one "
              f"process (pid {meta['pid']}); {meta['repeats']} rotated rounds (long context: {meta['long_repeats']}); "
-             f"×NoPE = median of per-round paired ratios to {meta['baseline']} (min–max over rounds; ~ = the "
+             f"×NoPE = median over rounds of each call's time over the {meta['baseline']} call timed next to "
+             f"it (min–max over rounds; ~ = the "
              f"median's 95% interval is wider than ±{TOLERANCE:.0%}); memory = {meta['memory']}; load average "
              f"{meta['load_avg_start'][0]:.1f} at start, {meta.get('load_avg_end', [float('nan')])[0]:.1f} at end"]
     for group, fmt in FORMATTERS.items():

@@ -4,8 +4,12 @@ A ratio to NoPE is only meaningful when both numbers come from the same process,
 threads and device, measured interleaved. So every measured row carries its provenance (``pid`` and
 a ``config`` key of sizes / threads / device), and :func:`paired_ratio` refuses two rows whose
 provenance differs. Rounds rotate the order of the jobs (NoPE is not always first), so load from
-other processes hits every scheme alike; the ratio of a scheme is the median over rounds of
-(scheme time / NoPE time in the same round), printed with the min-max of those per-round ratios.
+other processes hits every scheme alike. In the bench's row groups (:func:`paired_rounds`) every call
+of a scheme is timed right next to a call of NoPE (before it in one round, after it in the next), so
+a slowdown of the host that lasts seconds hits both calls of a pair; the ratio of a scheme is the
+median over rounds of (scheme time / the NoPE time next to it), printed with the min-max of those
+per-round ratios. Groups of a few jobs (:func:`round_robin`) pair a job with the other's call in the
+same round.
 
 Timings are wall-clock ``perf_counter`` around the call only (on CUDA between two
 ``torch.cuda.synchronize``); no memory sampler runs during a timed call (extrapolab.memory).
@@ -68,6 +72,37 @@ def round_robin(jobs: dict[str, Callable], rounds: int, device: torch.device,
     return times
 
 
+def paired_rounds(jobs: dict[str, Callable], base_of: dict[str, str], rounds: int,
+                  device: torch.device) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per-round seconds of each job, every job not a baseline timed next to a call of its baseline
+    ``base_of[name]`` (a job of ``jobs``): the pairs follow the rotated order of the other jobs, the
+    baseline first on alternate pairs (so neither side is always the one that runs after the other).
+
+    Returns (times, beside): times[name] per round (a baseline's: the median of its calls in that
+    round), beside[name] = the baseline's time next to it in each round (jobs without a baseline are
+    timed alone and have none)."""
+    bases = set(base_of.values())
+    others = [n for n in jobs if n not in bases]
+    times, beside = {n: [] for n in jobs}, {n: [] for n in others if n in base_of}
+    for r in range(rounds):
+        calls = {b: [] for b in bases}
+        for i, n in enumerate(rotated(others, r)):
+            b = base_of.get(n)
+            if b is None:  # no baseline: timed alone
+                times[n].append(timed(jobs[n], device))
+                continue
+            if (r + i) % 2 == 0:
+                tb, tn = timed(jobs[b], device), timed(jobs[n], device)
+            else:
+                tn, tb = timed(jobs[n], device), timed(jobs[b], device)
+            times[n].append(tn)
+            beside[n].append(tb)
+            calls[b].append(tb)
+        for b in bases:
+            times[b].append(statistics.median(calls[b]) if calls[b] else timed(jobs[b], device))
+    return times, beside
+
+
 def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
     """Distribution-free confidence interval of the median from order statistics (binomial)."""
     s, n = sorted(xs), len(xs)
@@ -80,7 +115,8 @@ def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
 
 
 def paired_ratio(row: dict, base: dict, key: str) -> dict:
-    """Median and spread of the per-round ratios row[key][r] / base[key][r].
+    """Median and spread of the per-round ratios row[key][r] / base[key][r], or / row[key + "_beside"][r]
+    when the row carries the baseline's time next to each of its calls (:func:`paired_rounds`).
 
     Refuses (ProvenanceError) rows from another process or another size/thread/device setting,
     and per-round lists of different lengths (not the same rounds)."""
@@ -89,7 +125,7 @@ def paired_ratio(row: dict, base: dict, key: str) -> dict:
             raise ProvenanceError(
                 f"refusing to divide {key} timings with different {field} "
                 f"({row.get(field)!r} vs baseline {base.get(field)!r}); measure both in one bench pass")
-    a, b = row[key], base[key]
+    a, b = row[key], row.get(key + "_beside") or base[key]
     if len(a) != len(b) or not a:
         raise ProvenanceError(f"{key}: {len(a)} rounds vs {len(b)} for the baseline; not the same rounds")
     per = [x / y for x, y in zip(a, b)]

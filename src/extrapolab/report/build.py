@@ -91,10 +91,13 @@ def cost_table(db: ResultsDB) -> str:
     if bench:
         m, st = bench["meta"], bench["settings"]
         ms = lambda xs: f"{1e3 * float(np.median(xs)):.1f}"  # noqa: E731 - per-round seconds -> median ms
+        beside = any("step_s_beside" in r for r in bench["rows"].values())  # passes stored before it: per round
+        pairing = ("median over rounds of each call's time over the NoPE call timed next to it" if beside else
+                   "median of per-round paired ratios")
         rows += [f"One bench pass after training, in one process (pid {m['pid']}, {m['threads']} threads, "
                  f"{m['repeats']} rotated rounds), at this sweep's model (R={st['model']['layers']}, "
                  f"H={st['model']['heads']}, d={st['model']['dim']}, vocabulary {st['model']['vocab_size']}), "
-                 f"L_tr = {st['L']}, batch {st['batch']}. ×NoPE: median of per-round paired ratios (min–max; "
+                 f"L_tr = {st['L']}, batch {st['batch']}. ×NoPE: {pairing} (min–max; "
                  "~ = median's 95% interval wider than ±3%). Memory: peak increase during one train step.", "",
                  "| scheme | train step ms | step ×NoPE | eval forward ms | forward ×NoPE | attention-only ×NoPE "
                  "| peak MiB per step | params |", "|---|---|---|---|---|---|---|---|"]

@@ -4,8 +4,8 @@ Ratios across sweep runs would divide timings of different pool workers, taken u
 load and in run order, so the sweep measures its schemes again with :func:`extrapolab.perf.bench`
 at the sweep's own model config (sizes, vocabulary, L_tr, batch), on the device and in the precision
 the runs trained with (``train.device`` / ``train.precision``: a GPU sweep is timed on its GPU under
-bf16 autocast, never on the CPU), interleaved and paired per round against NoPE, and stores the
-result in results.sqlite (meta ``cost_bench``) for the report.
+bf16 autocast, never on the CPU), each call timed next to a NoPE call (``perf.timing.paired_rounds``),
+and stores the result in results.sqlite (meta ``cost_bench``) for the report.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def run_cost_bench(base: C.RunConfig, vocab_size: int, schemes, workers: int = 1
     before = torch.get_num_threads()
     specs = as_specs([tuple(s) for s in st["schemes"]])
     say(f"cost: one bench pass over {len(specs)} schemes (NoPE the baseline) at L_tr = {st['L']}, batch {st['batch']}, "
-        f"on {st['device']} ({st['precision']}), {threads} threads, {rounds} rounds (one process; ratios paired per round)")
+        f"on {st['device']} ({st['precision']}), {threads} threads, {rounds} rounds (one process; each call next to a "
+        "NoPE call)")
     try:
         res = run_bench(specs, lengths_train=(st["L"],), model_cfg=model, device=st["device"], dtype=st["precision"],
                         repeats=rounds, warmup=WARMUP, threads=threads, groups=("train",),
