@@ -3,8 +3,9 @@
 Follows the comparisons of ALiBi Fig. 2 (train/inference speed and memory vs L), thesis Table 3.4
 (train sec/step, tokens/s per kernel) and Sandwich appendix B (cached sliding-window generation
 costs O(w̄·L) against O(w̄²·L) for re-encoding the window). Everything is measured in ONE process,
-every ratio to NoPE (``none``: bias-free ``scaled_dot_product_attention(is_causal=True)``) is
-paired per round and refused across processes or sizes (:mod:`.timing`). Row groups:
+every ratio to NoPE (``none``: bias-free ``scaled_dot_product_attention(is_causal=True)``) divides
+a call by the NoPE call timed next to it (train and long rows) and is refused across processes or
+sizes (:mod:`.timing`). Row groups:
 
 * train: full-model step (forward + backward + AdamW + ``constrain_``), no-grad forward, and the
   attention alone (bias tables + every layer's attention, forward + backward; at demo size the
