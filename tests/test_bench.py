@@ -84,15 +84,15 @@ def test_rounds_rotate_so_nope_is_not_always_first():
 
 
 def test_each_call_is_timed_next_to_a_call_of_its_baseline():
-    """paired_rounds: every job but the baselines runs right after or right before its own baseline's call
-    (the baseline first in alternate pairs), in the rotated order; a baseline's time per round is the
+    """paired_rounds: every job but the baselines runs right after or right before its own baseline's call,
+    in the rotated order, on the other side of it in the next round; a baseline's time per round is the
     median of its calls, a job without a baseline is timed alone."""
     calls = []
     jobs = {n: (lambda n=n: calls.append(n)) for n in ("B1", "B2", "a", "b", "c", "solo")}
     base_of = {"a": "B1", "b": "B2", "c": "B1"}
     times, beside = paired_rounds(jobs, base_of, 2, __import__("torch").device("cpu"))
     assert calls == ["B1", "a", "b", "B2", "B1", "c", "solo",  # round 0: a, b, c, solo
-                     "b", "B2", "B1", "c", "solo", "B1", "a"]  # round 1 rotated: b, c, solo, a
+                     "B2", "b", "c", "B1", "solo", "a", "B1"]  # round 1 rotated: b, c, solo, a; sides swap
     assert set(beside) == {"a", "b", "c"} and all(len(times[n]) == 2 for n in jobs)
 
 

@@ -75,8 +75,9 @@ def round_robin(jobs: dict[str, Callable], rounds: int, device: torch.device,
 def paired_rounds(jobs: dict[str, Callable], base_of: dict[str, str], rounds: int,
                   device: torch.device) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per-round seconds of each job, every job not a baseline timed next to a call of its baseline
-    ``base_of[name]`` (a job of ``jobs``): the pairs follow the rotated order of the other jobs, the
-    baseline first on alternate pairs (so neither side is always the one that runs after the other).
+    ``base_of[name]`` (a job of ``jobs``): the pairs follow the rotated order of the other jobs, and a
+    job runs after its baseline's call in one round and before it in the next (so neither side is
+    always the one that runs second; neighbouring jobs of a round take opposite sides).
 
     Returns (times, beside): times[name] per round (a baseline's: the median of its calls in that
     round), beside[name] = the baseline's time next to it in each round (jobs without a baseline are
@@ -84,14 +85,15 @@ def paired_rounds(jobs: dict[str, Callable], base_of: dict[str, str], rounds: in
     bases = set(base_of.values())
     others = [n for n in jobs if n not in bases]
     times, beside = {n: [] for n in jobs}, {n: [] for n in others if n in base_of}
+    side = {n: j % 2 for j, n in enumerate(others)}
     for r in range(rounds):
         calls = {b: [] for b in bases}
-        for i, n in enumerate(rotated(others, r)):
+        for n in rotated(others, r):
             b = base_of.get(n)
             if b is None:  # no baseline: timed alone
                 times[n].append(timed(jobs[n], device))
                 continue
-            if (r + i) % 2 == 0:
+            if (side[n] + r) % 2 == 0:  # the baseline first
                 tb, tn = timed(jobs[b], device), timed(jobs[n], device)
             else:
                 tn, tb = timed(jobs[n], device), timed(jobs[b], device)
