@@ -85,6 +85,13 @@ def _bases(jobs) -> dict:
     return {j: (BASE, j[1]) for j in jobs if j[0] != BASE and (BASE, j[1]) in jobs}
 
 
+def _measured(times: dict, beside: dict, label: str, parts) -> dict:
+    """A row's per-round seconds of each part and, where paired, NoPE's seconds next to each call
+    (``<part>_beside``, read by :func:`.timing.paired_ratio`)."""
+    return {**{p: times[(label, p)] for p in parts},
+            **{p + "_beside": beside[(label, p)] for p in parts if (label, p) in beside}}
+
+
 def bench_train(ctx: Context) -> dict:
     out, parts = {}, tuple(ctx.opts.get("parts", ("step_s", "fwd_s", "attn_s")))
     for L in ctx.opts["lengths_train"]:
@@ -107,8 +114,7 @@ def bench_train(ctx: Context) -> dict:
                 jobs[(s.label, parts[0])]()
             rows[s.label] = {"scheme": s.name, "batch": B, **prov, "peak_mib": mem.mib,
                              "params": sum(p.numel() for p in models[s.label].parameters()),
-                             **{p: times[(s.label, p)] for p in parts},
-                             **{p + "_beside": beside[(s.label, p)] for p in parts if (s.label, p) in beside}}
+                             **_measured(times, beside, s.label, parts)}
             why = unfused_reason(models[s.label])
             if why:  # no fused kernel: the bench says why
                 rows[s.label]["unfused"] = why
@@ -148,8 +154,7 @@ def bench_long(ctx: Context) -> dict:
         prov = ctx.prov(L=L, batch=1, group="long")
         for label, (mib, abs_mib, sparse, why) in mems.items():
             rows[label] = {**prov, "peak_mib": mib, "peak_abs_mib": abs_mib, "sparse": sparse,
-                           **{p: times[(label, p)] for p in ("fwd_s", "attn_s")},
-                           **{p + "_beside": beside[(label, p)] for p in ("fwd_s", "attn_s") if (label, p) in beside},
+                           **_measured(times, beside, label, ("fwd_s", "attn_s")),
                            **({"unfused": why} if why else {})}
         if BASE in mems:
             add_ratios({k: r for k, r in rows.items() if "skipped" not in r}, BASE, ("fwd_s", "attn_s"))
