@@ -10,7 +10,7 @@ ROOT = Path(extrapolab.__file__).parent
 #: stages in pipeline order, then the studies built on them, then the CLI; each may import only
 #: itself and what comes before it
 STAGES = ["positional", "model", "data", "train", "eval", "analysis", "report"]
-STUDIES = ["perf", "hf", "align", "regular", "sweep"]
+STUDIES = ["perf", "hf", "tasks", "align", "extend", "regular", "sweep"]
 ORDER = STAGES + STUDIES + ["cli"]
 #: what the shared top-level modules may import (config validates model/scheme options)
 TOP_LEVEL = {"io": [], "memory": [], "config": ["positional", "model"], "__main__": ["cli"]}

@@ -1,0 +1,1 @@
+"""The training-free context-extension study on pretrained models (`extrapolab align rope hf:PATH`)."""
