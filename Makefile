@@ -7,7 +7,7 @@ OUT    ?= reports/demo
 PRESET ?= quick
 CACHE  ?= .extrapolab-cache
 
-.PHONY: setup demo test test-slow prose corpus-linux bench clean model-smollm2 model-gemma3
+.PHONY: setup demo test test-slow prose corpus-linux bench clean model-smollm2 model-gemma3 gpu-check
 
 setup: $(STAMP)
 
@@ -46,6 +46,11 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/extrapolab bench
+
+# On a CUDA machine with torch >= 2.11 (no setup, no network): every GPU test, the bench's GPU rows, a demo
+# slice and a one-process torchrun, <= 8 minutes on one H100; writes reports/gpu-check/ and docs/results/gpu-*.md.
+gpu-check:
+	bash scripts/gpu-check.sh reports/gpu-check
 
 clean:
 	rm -rf $(VENV) .extrapolab-cache

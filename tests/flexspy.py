@@ -42,7 +42,48 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None):
+def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True):
     # touch what the compiled kernel would read, without running FlexAttention under the mode
     assert block_mask is not None and callable(score_mod)
     return torch.zeros_like(q)
+
+
+def gathers_per_tensor(score_mod, n_args: int = 5) -> dict[int, int]:
+    """How many times ``score_mod(score, b, h, q_idx, kv_idx)`` indexes each captured tensor that requires a
+    gradient, traced as FlexAttention traces it (``TransformGetItemToIndex``: every ``t[...]`` becomes one
+    ``mod_index``). FlexAttention's compiled backward allows one per tensor (inductor's validate_joint_graph)."""
+    twh = importlib.import_module("torch._dynamo._trace_wrapped_higher_order_op")
+    counts: dict[int, int] = {}
+    real = twh.mod_index
+
+    def spy(x, indices):
+        if x.requires_grad:
+            counts[id(x)] = counts.get(id(x), 0) + 1
+        return real(x, indices)
+
+    twh.mod_index = spy
+    try:
+        with twh.TransformGetItemToIndex():
+            idx = [torch.zeros((), dtype=torch.int32) + i for i in (0, 1, 3, 2)]  # b, h, q_idx, kv_idx
+            score_mod(torch.zeros(()), *idx) if n_args == 5 else score_mod(*idx[1:])
+    finally:
+        twh.mod_index = real
+    return counts
+
+
+def grad_mismatches(got: dict, want: dict, rtol: float, dtype, low: dict | None = None) -> list:
+    """Names whose gradient differs from the reference by more than ``rtol`` of its norm (with ``low``: more
+    than twice the low-precision plain path's own error, plus ``rtol`` of its norm), above an absolute floor of
+    one rounding unit of ``dtype`` times the whole reference gradient's norm. A parameter whose exact gradient
+    is ~0 (a per-head constant that softmax cancels, e.g. FIRE's output bias b2, ~1e-10) or tiny next to the
+    rest (KERPLE gauss r2, ~1e-5) carries rounding noise of the whole computation, which a relative error
+    of two near-zero vectors turns into O(1); the relative bound itself stays as tight as before."""
+    total = torch.cat([w.flatten() for w in want.values()]).norm().item()
+    floor = torch.finfo(dtype).eps * total
+    bad = []
+    for n, w in want.items():
+        err = (got[n] - w).norm().item()
+        bound = rtol * w.norm().item() + floor + (2 * (low[n] - w).norm().item() if low is not None else 0.0)
+        if err > bound:
+            bad.append((n, err, bound))
+    return bad

@@ -66,3 +66,37 @@ def test_cope_model_decodes_with_the_cache_and_never_takes_a_fused_path():
                                   same_pos=True, starts=(0, 0), dense_bias=False, grad=True)
         assert (path, block) == ("reference", min(256, SCORE_BLOCK))
     assert "whole row" in m.scheme.reference_only
+
+
+def test_cope_positions_in_bf16_stay_within_a_tenth_at_2048_keys():
+    """CoPE's positions are a reverse cumulative sum of gates. Computed as total - prefix + g in bf16 (what CPU
+    autocast keeps in bf16) they were off by up to 5.5 positions at 2,048 keys; computed directly in fp32 from
+    the same bf16 logits they agree with fp64 to < 0.1 position -- at least 30x better than the difference
+    of running sums, which the test computes too so that it is seen to fail."""
+    from extrapolab.positional.cope import positions
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(1, 4, 8, 2048, generator=g) * 3).bfloat16()  # [B, H, bq, bk]
+    npos = 4096  # no clipping: every position is compared
+    _, ref = positions(logits.double(), npos)
+    _, got = positions(logits, npos)
+    assert got.dtype == torch.float32
+    err = (got.double() - ref).abs().max().item()
+    gates = torch.sigmoid(logits)  # bf16, as under CPU autocast
+    old = (gates.sum(-1, keepdim=True) - gates.cumsum(-1) + gates).double()
+    old_err = (old - ref).abs().max().item()
+    assert err < 0.1 and old_err > 30 * err, (err, old_err)
+
+
+def test_cope_logits_from_bf16_gates_match_fp64():
+    """The term q·e[p_ij]/√d a layer adds, from bf16 gate logits (what the reference path holds under bf16
+    autocast) at 2,048 keys: within 0.05 of the fp64 computation on the same inputs (e varies by ~1 per
+    position, so a position off by 5 would show as ~5)."""
+    from extrapolab.positional.cope import CoPELogits
+
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(1, 2, 4, 2048, generator=g) * 3).bfloat16()  # [B, H, bq, bk]
+    e = torch.randn(1, 2, 4, 2049, generator=g).cumsum(-1).bfloat16()  # [B, H, bq, npos] smooth in p
+    want = CoPELogits.apply(logits.double(), e.double(), 2049)
+    got = CoPELogits.apply(logits, e, 2049)
+    assert (got.double() - want).abs().max().item() < 0.05

@@ -13,7 +13,8 @@ import numpy as np
 from extrapolab.config import resolve
 from extrapolab.model import flex
 from extrapolab.regular.plan import probe_run
-from extrapolab.regular.train import RegularRunConfig, load_run, run
+from extrapolab.regular import train as regular_train
+from extrapolab.regular.train import RegularRunConfig, load_run
 from extrapolab.sweep.runs import eval_run
 from extrapolab.sweep.sweep import run_sweep
 from extrapolab.train import placement
@@ -46,13 +47,13 @@ def test_eval_on_cuda_matches_cpu(run):  # noqa: F811
 def test_regular_run_trains_and_saves_from_cuda(tmp_path):
     cfg = RegularRunConfig(task="parity", model="regulargpt", model_options={"dim": 16, "heads": 2}, steps=3,
                            eval_every=1, val_samples=4, test_samples=4, test_max=44, train_max=6)
-    cpu = run(cfg, progress=False)
-    gpu = run(replace(cfg, device="cuda", precision="fp32"), tmp_path / "r", progress=False)
+    cpu = regular_train.run(cfg, progress=False)
+    gpu = regular_train.run(replace(cfg, device="cuda", precision="fp32"), tmp_path / "r", progress=False)
     assert gpu["placement"]["device"].startswith("cuda")
     assert gpu["history"][0]["loss"] == pytest.approx(cpu["history"][0]["loss"], rel=1e-4)  # same init, same batch
     model, saved, _ = load_run(tmp_path / "r")  # weights were moved to the CPU to be saved
     assert saved.device == "cuda" and next(model.parameters()).device.type == "cpu"
-    bf16 = run(replace(cfg, device="cuda", precision="bf16"), progress=False)
+    bf16 = regular_train.run(replace(cfg, device="cuda", precision="bf16"), progress=False)
     assert bf16["placement"]["precision"] == "bf16"
     p = probe_run(replace(cfg, device="cuda", steps=100), steps=3, warmup=1)
     assert p["device"].startswith("cuda") and p["projected_s"] > 0

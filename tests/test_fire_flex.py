@@ -12,7 +12,7 @@ from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.positional.fire import FIRE
 from fire_ref import dense, fire
-from flexspy import CountSyncs, stub_kernel
+from flexspy import CountSyncs, grad_mismatches, stub_kernel
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention")
 
@@ -156,5 +156,5 @@ def test_cuda_fire_beyond_L_trains_through_flex_rows(monkeypatch):
         assert len(calls) == (2 if impl == "auto" else 0)
     (o, g), (o_ref, g_ref) = res["auto"], res["plain"]
     assert float((o - o_ref).norm() / o_ref.norm()) < 1e-5
-    for n, want in g_ref.items():
-        assert float((g[n] - want).norm() / want.norm().clamp(min=1e-12)) < 1e-4, n
+    bad = grad_mismatches(g, g_ref, 1e-4, torch.float32)  # FIRE's b2: exact gradient 0, rounding noise only
+    assert not bad, bad

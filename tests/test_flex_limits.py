@@ -64,7 +64,7 @@ class _no_warning:
 
 def test_recompile_limit_warning_is_one_line_naming_the_shape():
     q, k = torch.zeros(2, 4, 300, 64), torch.zeros(2, 4, 300, 64)
-    msg = flex.limit_warning(q, k, True, 64)
+    msg = flex.unavailable_warning(q, k, True, flex.RecompileLimit(64))
     assert "\n" not in msg and "B=2 H=4 Lq=300 Lk=300 D=64" in msg and "RECOMPILE_LIMIT" in msg
 
 
@@ -139,8 +139,9 @@ def test_eager_dense_spy_sees_eager_flex_attention(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_flex_forward_has_no_sync_per_layer():
-    """On CUDA, torch's own sync detector: a flex-path forward (warm, compiled) synchronises the
-    same few times whatever the number of layers."""
+    """On CUDA, torch's own sync detector: a warm flex-path training step synchronises a few times per
+    forward, not once per layer: 4 more layers add fewer than 4 syncs. (An exact 2-vs-6 equality read
+    {2: 5, 6: 4} on an H100: a one-time sync of the process landed in the first model's count.)"""
     import warnings
 
     counts = {}
@@ -149,7 +150,8 @@ def test_cuda_flex_forward_has_no_sync_per_layer():
         m = GPT(ModelConfig(scheme="kerple-log", vocab_size=64, dim=256, heads=4, layers=layers,
                             train_length=1024)).cuda()
         idx = torch.randint(0, 64, (2, flex.MIN_LENGTH), device="cuda")
-        m(idx).float().sum().backward()  # compile outside the count
+        for _ in range(2):  # compile, then one warm step: both outside the count
+            m(idx).float().sum().backward()
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -159,4 +161,4 @@ def test_cuda_flex_forward_has_no_sync_per_layer():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts[layers] = sum("synchroniz" in str(x.message) for x in w)
-    assert counts[2] == counts[6], counts
+    assert counts[6] < counts[2] + (6 - 2) and counts[6] <= 6, counts

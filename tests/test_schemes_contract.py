@@ -272,3 +272,50 @@ def test_long_attention_never_builds_an_L_by_L_tensor(name, opts):
             with torch.no_grad(), PeakMemory() as mem:
                 out, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(), content=content)
             assert torch.isfinite(out).all() and mem.mib < 256, (layer, mem.mib)
+
+
+@pytest.mark.parametrize("name,opts", CASES)
+def test_every_masked_sdpa_call_gets_a_mask_in_q_dtype(name, opts, monkeypatch):
+    """Under bf16 autocast a bias computed in fp32 must reach SDPA as bf16: cuDNN on the H100 reads a float mask
+    of another dtype as q's, silently wrong (pytorch#191612). Every path, every scheme, a whole model (a window,
+    blocks, a chunk after a KV cache); and on CUDA such a call never takes cuDNN (model/sdpa.py)."""
+    import torch.nn.functional as F
+
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None and attn_mask.is_floating_point():
+            seen.append((attn_mask.dtype, q.dtype))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with registered(name):
+        m = _model(name, opts, 48 if REGISTRY[name].kind == "absolute" else 16)  # learned APE: positions < L_tr
+        idx = torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for o in (AttnOptions(), AttnOptions(impl="blocked", block_size=16), AttnOptions(window=8)):
+                m(idx, opts=o)
+            cache = KVCache(LAYERS)  # a chunk after a cached prefix (queries after keys)
+            m(idx[:, :40], positions=torch.arange(40), cache=cache)
+            m(idx[:, 40:], positions=torch.arange(40, 48), cache=cache)
+    assert all(mask == q for mask, q in seen), (name, sorted(set(seen)))
+    s = m.scheme
+    if s.has_bias and not s.reference_only and not s.has_weight:  # wht kernels: tiled softmax, no SDPA
+        assert seen, "no masked SDPA call was seen: the spy is blind"
+
+
+def test_masked_sdpa_casts_the_mask_and_leaves_out_cudnn(monkeypatch):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    from extrapolab.model.sdpa import masked_backends, sdpa
+
+    seen, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, attn_mask=None, **kw: seen.append(attn_mask.dtype) or real(q, k, v, attn_mask, **kw))
+    q = torch.randn(1, 2, 5, 8).bfloat16()
+    out = sdpa(q, q, q, torch.zeros(1, 2, 5, 5))  # an fp32 bias with bf16 q
+    assert seen == [torch.bfloat16] and out.dtype == torch.bfloat16
+
+    assert SDPBackend.CUDNN_ATTENTION not in masked_backends()
+    assert SDPBackend.EFFICIENT_ATTENTION in masked_backends()  # takes any float mask, returns its gradient

@@ -39,15 +39,15 @@ def settings(tmp_path, *extra):
     ]
 
 
-def torchrun(run_dir, sets, *extra_args):
+def torchrun(run_dir, sets, *extra_args, nproc: int = 2):
     env = {**os.environ, "EXTRAPOLAB_RANK_CHECKSUMS": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "extrapolab.train", "--run-dir", str(run_dir), "--no-progress", *extra_args]
     for s in sets:
         cmd += ["--set", s]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-1500:] + proc.stderr[-3000:]
-    return [json.loads((run_dir / f"rank{r}.checksum.json").read_text()) for r in (0, 1)]
+    return [json.loads((run_dir / f"rank{r}.checksum.json").read_text()) for r in range(nproc)]
 
 
 def params_hash(model) -> str:  # the same digest the ranks write
@@ -72,7 +72,7 @@ def check_against_single(tmp_path, ranks, run, single):
     np.testing.assert_allclose(la, lb, rtol=1e-5)  # same global batch, gradients all-reduced
     np.testing.assert_allclose(va, vb, rtol=1e-5)
     s = json.loads((run / "summary.json").read_text())
-    assert s["world_size"] == 2 and s["steps"] == 4
+    assert s["world_size"] == 2 and s["steps"] == 4 and s["backend"] == "gloo"
     a, _ = load_model(run, "last")
     b, _ = load_model(single, "last")
     for (name, ta), tb in zip(a.state_dict().items(), b.state_dict().values()):
@@ -89,6 +89,20 @@ def test_torchrun_two_ranks_ddp(tmp_path):
     assert ranks[0]["first_batch_sha256"] != ranks[1]["first_batch_sha256"]  # different shards
     model = check_against_single(tmp_path, ranks, run, single)
     assert params_hash(model) == ranks[0]["params_sha256"]  # rank 0's checkpoint is what it trained
+
+
+def test_torchrun_one_process_runs_the_distributed_path(tmp_path):
+    """torchrun at world size 1 joins a process group (gloo here, NCCL on CUDA: the GPU check's run) and wraps the
+    model in DDP -- the multi-GPU path's code -- and trains exactly as a plain single process does."""
+    sets = settings(tmp_path)
+    single = tmp_path / "single"
+    train(resolve(None, sets), single, progress=False)
+    run = tmp_path / "one"
+    ranks = torchrun(run, sets, nproc=1)
+    s = json.loads((run / "summary.json").read_text())
+    assert s["world_size"] == 1 and s["backend"] == "gloo" and ranks[0]["world"] == 1
+    assert json.loads((single / "summary.json").read_text())["backend"] is None  # no torchrun: no group
+    np.testing.assert_allclose(losses(run)[0], losses(single)[0], rtol=1e-5)
 
 
 @pytest.mark.slow

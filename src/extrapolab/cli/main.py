@@ -175,6 +175,12 @@ def bench(
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default); the goals are stated at 2"),
     rounds: int = typer.Option(0, "--rounds", help="paired rounds per row (0 = the default, 9)"),
     out: Path = typer.Option(Path("reports/bench.json"), "--out", help="JSON output"),
+    train_lengths: Optional[str] = typer.Option(None, "--train-lengths", help="comma-separated L_tr of the train rows "
+                                                "(overrides the preset's), e.g. 512"),
+    long_lengths: Optional[str] = typer.Option(None, "--long-lengths", help="comma-separated lengths of the long "
+                                               "forwards (overrides the preset's), e.g. 8192,32768"),
+    groups: Optional[str] = typer.Option(None, "--groups", help="comma-separated row groups: train, long, generation, "
+                                         "denormals (default: all)"),
     regular: bool = typer.Option(False, "--regular", help="also RegularGPT as an LM vs full attention at the same depth"),
     regular_c: int = typer.Option(16, "--regular-C", help="RegularGPT chunk size C for --regular"),
     regular_k: int = typer.Option(1, "--regular-K", help="RegularGPT thickness K for --regular"),
@@ -200,6 +206,7 @@ def bench(
     from ..perf.bench import preset_settings, run_bench
     from ..perf.regular_lm import bench_regular_lm, format_regular_lm
     from ..perf.table import format_table
+    from .align import _ints
 
     if quick and preset:
         raise UserError("bench takes --quick or --preset, not both; drop one")
@@ -209,6 +216,11 @@ def bench(
         kwargs["repeats"] = rounds
     if schemes_:
         kwargs["schemes"] = [s.strip() for s in schemes_.split(",") if s.strip()]
+    for key, text in (("lengths_train", train_lengths), ("long_lengths", long_lengths)):
+        if text:
+            kwargs[key] = tuple(_ints(text))
+    if groups:
+        kwargs["groups"] = [g.strip() for g in groups.split(",") if g.strip()]
     res = run_bench(**kwargs)
     typer.echo(format_table(res))
     if regular:  # O(T·C) per level against dense causal attention over the same number of layers

@@ -96,6 +96,14 @@ class AttnOptions:
     #: called by the reference path with every layer's tau = 1 logits, per query block (see
     #: :data:`.reference.LogitsSink`); setting it routes every layer through the reference path
     logits_sink: LogitsSink | None = None
+    #: a dict to count the paths attend() ran, per call ({"flex": 12, "toeplitz": 2}), fallbacks included:
+    #: what `extrapolab bench` prints per scheme and row; None (default) counts nothing
+    paths: dict | None = None
+
+    def ran(self, path: str) -> None:
+        """Count one call of ``path`` in :attr:`paths` (when it is a dict)."""
+        if self.paths is not None:
+            self.paths[path] = self.paths.get(path, 0) + 1
 
     def tau(self, layer: int) -> float:
         """The temperature of layer ``layer``."""
@@ -240,27 +248,33 @@ def attend(
     if path == "causal":
         if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
             q = q / tau_s[..., None].to(q.dtype)
+        opts.ran(path)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), None
     if path == "twopass":  # no bias: a scheme temperature divides q's rows, as on the causal path
         if tau_s is not None:
             q = q / tau_s[..., None].to(q.dtype)
+        opts.ran(path)
         return twopass_attention(q, k, v, q_pos, k_pos, scheme, layer, starts, scale=scale, tau=tau,
                                  window=opts.window, block=block), None
     if path == "folded":
         pq, pk = content if content is not None else (token_positions(q_pos), token_positions(k_pos))
         rows = None if tau_s is None else tau_s.expand(1, tau_s.shape[1], Lq)  # [1, H|1, Lq]
+        opts.ran(path)
         return folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, base_scale=base, scale=scale,
                                 tau_rows=rows, window=opts.window, block=block, same=same), None
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
         try:
-            return flex.flex_rows_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau, window=opts.window,
-                                       tau_h=tau_h), None
-        except flex.RecompileLimit as full:  # never the eager dense fallback: the split path
-            flex.warn_limit(q, k, scheme.learnable, full.limit, "split")
+            out = flex.flex_rows_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau, window=opts.window,
+                                      tau_h=tau_h)
+            opts.ran("flex-rows")
+            return out, None
+        except flex.Unavailable as why:  # never the eager dense fallback nor a traceback: the split path
+            flex.warn_unavailable(q, k, scheme.learnable, why, "split")
             tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
             path, block = "split", (tb if split > tb else None)
     if path == "split":
+        opts.ran(path)
         return split_attention(q, k, v, q_pos, k_pos, scheme, layer, db, starts, split, block, scale=scale,
                                tau=tau, tau_h=tau_h, tau_s=tau_s, window=opts.window, block_size=opts.block_size,
                                memory_budget_mb=opts.memory_budget_mb), None
@@ -268,16 +282,20 @@ def attend(
         db = db or DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
             try:
-                return flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
-                                                window=opts.window, tau_h=tau_h), None
-            except flex.RecompileLimit as full:  # never the eager dense fallback: the Toeplitz path
-                flex.warn_limit(q, k, scheme.learnable, full.limit)
+                out = flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
+                                               window=opts.window, tau_h=tau_h)
+                opts.ran(path)
+                return out, None
+            except flex.Unavailable as why:  # never the eager dense fallback nor a traceback: the Toeplitz path
+                flex.warn_unavailable(q, k, scheme.learnable, why)
                 block = min(int(opts.block_size), TOEPLITZ_BLOCK) if q.shape[2] > TOEPLITZ_BLOCK else None
+        opts.ran("toeplitz")
         return toeplitz_attention(q, k, v, *starts, db, layer, scale=scale, tau=tau,
                                   window=opts.window, block=block, tau_h=tau_h), None
     if path == "fallback" and block is not None:  # rows per block within the memory budget
         per_row = q.shape[0] * q.shape[1] * k.shape[2] * 4 * (3 if scheme.has_weight else 1)
         block = max(1, min(block, int(opts.memory_budget_mb * 2**20 // per_row)))
+    opts.ran(path)
     return dense_attention(q, k, v, q_pos, k_pos, scheme, layer, tau=tau, window=opts.window, bias=dense,
                            block=block, fused=path == "fallback", need_probs=opts.need_probs,
                            sink=opts.logits_sink, content=content, tau_s=tau_s)

@@ -43,11 +43,13 @@ CPU (inductor compiles FlexAttention's forward there).
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from . import flex_tiles
 from .reference import divide_finite
 from .tables import DistanceBias
 
@@ -64,12 +66,30 @@ MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks(seq_lengths=...) and the CPU temp
 _COMPILED: list = []  # the compiled kernel, made on first CUDA use
 
 
-class RecompileLimit(RuntimeError):
+class Unavailable(RuntimeError):
+    """The compiled kernel cannot run this call; ``reason`` says why in a few words (for the one-line warning)."""
+
+    def __init__(self, reason: str, hint: str) -> None:
+        super().__init__(reason)
+        self.reason, self.hint = reason, hint
+
+
+class RecompileLimit(Unavailable):
     """The compiled kernel holds its ``limit`` graphs and this call needs a new one."""
 
     def __init__(self, limit: int) -> None:
-        super().__init__(f"FlexAttention's compiled kernel holds its {limit} graphs")
+        super().__init__(f"FlexAttention holds its {limit} compiled graphs",
+                         "raise extrapolab.model.flex.RECOMPILE_LIMIT to compile more")
         self.limit = limit
+
+
+class OutOfResource(Unavailable):
+    """Every tile rung of :func:`.flex_tiles.plan` failed to compile "out of resource" (shared memory)."""
+
+    def __init__(self, tried: list) -> None:
+        super().__init__("FlexAttention cannot compile it within the GPU's shared memory (tiles tried: "
+                         + "; ".join(flex_tiles.describe(o) for o in tried) + ")",
+                         "see docs/attention.md, Tiles")
 
 
 def available() -> bool:
@@ -97,50 +117,110 @@ def pays(device: str, Lq: int, Lk: int, head_dim: int, dtype: torch.dtype) -> bo
 
 
 class Compiled:
-    """``torch.compile(flex_attention, dynamic=False, fullgraph=True)`` that may keep ``limit``
-    graphs; a call that needs one more raises :class:`RecompileLimit` instead of running
-    flex_attention eagerly (dense scores). The limit applies to its own calls only."""
+    """``torch.compile(flex_attention, dynamic=False, fullgraph=True)`` that may keep ``limit`` graphs; a call
+    that needs one more raises :class:`RecompileLimit` instead of running flex_attention eagerly (dense scores).
+    The limit applies to its own calls only.
+
+    Each call passes the tiles of :func:`.flex_tiles.plan` for its device, dtype, head size and whether the
+    score_mod gathers (``gather``); a compile that fails "out of resource" is retried once on the plan's smaller
+    rung, and when that fails too the call raises :class:`OutOfResource` (attend() then takes the Toeplitz or
+    split path with a one-line warning). With gradients the backward is compiled together with the forward
+    (``force_non_lazy_backward_lowering``), so a backward that does not fit fails here too, where the next
+    rung can still be tried, and never later inside ``loss.backward()``. The rung that compiled is kept per
+    (device, dtype, head size, gather, grad); :attr:`events` records every first call of a new shape (its
+    options, whether it compiled, seconds) for ``extrapolab bench``."""
 
     def __init__(self, limit: int = RECOMPILE_LIMIT) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 
         self.limit, self.full = int(limit), False
         self.fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+        self.rung: dict = {}  # (device, dtype, head size, gather, grad) -> index into the plan, or None: none fits
+        self.seen: set = set()  # shapes called before (their first call compiled)
+        self.events: list[dict] = []
 
-    def __call__(self, q, k, v, **kw):
+    def __call__(self, q, k, v, *, gather: bool = True, **kw):
         from torch._dynamo import config as dcfg, exc
 
         limits = {"recompile_limit": self.limit, "fail_on_recompile_limit_hit": True,
                   "accumulated_recompile_limit": max(4 * self.limit, dcfg.accumulated_recompile_limit)}
-        try:
-            with dcfg.patch(**limits):
-                return self.fn(q.contiguous(), k.contiguous(), v.contiguous(), **kw)  # one layout per shape
-        except exc.FailOnRecompileLimitHit:
-            self.full = True
-            raise RecompileLimit(self.limit) from None
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        key = (str(q.device), q.dtype, q.shape[-1], bool(gather), grad)
+        options = flex_tiles.plan(flex_tiles.device_info(q.device), q.dtype, q.shape[-1], gather)
+        start = self.rung.get(key, 0)
+        if start is None:
+            raise OutOfResource(options)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one layout per shape
+        for i in range(start, len(options)):
+            shape = key + (tuple(q.shape), k.shape[2], i)
+            t0 = time.perf_counter()
+            try:
+                with dcfg.patch(**limits), _backward_with_forward(grad):
+                    out = self.fn(q, k, v, kernel_options=options[i], **kw)
+            except exc.FailOnRecompileLimitHit:
+                self.full = True
+                raise RecompileLimit(self.limit) from None
+            except Exception as err:  # noqa: BLE001 -- only "out of resource" is ours to handle
+                if not flex_tiles.out_of_resource(err):
+                    raise
+                self._event(shape, options[i], "out of resource", time.perf_counter() - t0)
+                continue
+            if shape not in self.seen:
+                self.seen.add(shape)
+                self._event(shape, options[i], "compiled", time.perf_counter() - t0)
+            self.rung[key] = i
+            return out
+        self.rung[key] = None
+        raise OutOfResource(options[start:])
+
+    def _event(self, shape, options, status: str, seconds: float) -> None:
+        dev, dtype, D, gather, grad, qshape, Lk, rung = shape
+        self.events.append({"device": dev, "dtype": str(dtype).replace("torch.", ""), "head_dim": D,
+                            "gather": gather, "grad": grad, "q_shape": list(qshape), "Lk": Lk, "rung": rung,
+                            "options": flex_tiles.describe(options), "status": status,
+                            "seconds": round(seconds, 3)})
+
+
+def _backward_with_forward(grad: bool):
+    """Compile the backward at the forward's compile (so its failure is caught there), where torch has the
+    switch; a no-op without gradients."""
+    from contextlib import nullcontext
+
+    from torch._functorch import config as fcfg
+
+    if not grad or not hasattr(fcfg, "force_non_lazy_backward_lowering"):
+        return nullcontext()
+    return fcfg.patch(force_non_lazy_backward_lowering=True)
+
+
+def _eager(q, k, v, *, gather: bool = True, **kw):
+    """Eager flex_attention (CPU tests): no tiles to choose."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, **kw)
 
 
 def kernel(device: str):
     """The compiled kernel on CUDA (:class:`Compiled`, one per process), eager flex_attention elsewhere."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     if device != "cuda":
-        return flex_attention
+        return _eager
     if not _COMPILED:
         _COMPILED.append(Compiled())
     return _COMPILED[0]
 
 
-def limit_warning(q: torch.Tensor, k: torch.Tensor, learnable: bool, limit: int, path: str = "Toeplitz") -> str:
-    """The one line printed (once per shape) when a shape past the limit takes the Toeplitz (or split) path."""
+def unavailable_warning(q: torch.Tensor, k: torch.Tensor, learnable: bool, why: Unavailable,
+                        path: str = "Toeplitz") -> str:
+    """The one line printed (once per shape) when a call the compiled kernel cannot run takes the Toeplitz
+    (or split) path instead."""
     B, H, Lq, D = q.shape
-    return (f"FlexAttention holds its {limit} compiled graphs: shape B={B} H={H} Lq={Lq} Lk={k.shape[2]} D={D} "
+    return (f"{why.reason}: shape B={B} H={H} Lq={Lq} Lk={k.shape[2]} D={D} "
             f"{str(q.dtype).replace('torch.', '')} grad={torch.is_grad_enabled()} learnable={learnable} runs on the "
-            f"{path} path instead; raise extrapolab.model.flex.RECOMPILE_LIMIT to compile more")
+            f"{path} path instead; {why.hint}")
 
 
-def warn_limit(q, k, learnable: bool, limit: int, path: str = "Toeplitz") -> None:
-    warnings.warn(limit_warning(q, k, learnable, limit, path), RuntimeWarning, stacklevel=3)
+def warn_unavailable(q, k, learnable: bool, why: Unavailable, path: str = "Toeplitz") -> None:
+    warnings.warn(unavailable_warning(q, k, learnable, why, path), RuntimeWarning, stacklevel=3)
 
 
 def score_mod_for(bias: torch.Tensor, weight: torch.Tensor | None, off: torch.Tensor, inv_tau: torch.Tensor):
@@ -231,7 +311,7 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
     inv_tau = db.memo(("inv_tau", dev, float(tau), bias.dtype),
                       lambda: torch.full((), 1.0 / tau, device=dev, dtype=bias.dtype))
     mod = score_mod_for(bias, weight, off, inv_tau)
-    return kernel(dev.type)(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+    return kernel(dev.type)(q, k, v, gather=True, score_mod=mod, block_mask=bm, scale=scale)
 
 
 def _kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):
@@ -271,4 +351,4 @@ def flex_rows_path(q, k, v, a: int, c: int, scheme, layer: int, *, scale: float,
 
         def mod(score, b, h, q_idx, kv_idx):
             return (score + bias(h, q_idx, kv_idx) * inv_h[h]) * inv_tau
-    return kernel(dev.type)(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+    return kernel(dev.type)(q, k, v, gather=True, score_mod=mod, block_mask=bm, scale=scale)

@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .sdpa import sdpa
+
 #: query rows that share one re-centring point at least, and rows per call with a mask (module docstring)
 FOLD_GROUP = 512
 #: re-centring columns of a whole-input call at most (its groups grow beyond FOLD_GROUP rows past 8·512 tokens)
@@ -92,7 +94,7 @@ def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, sc
     qf = torch.cat([qb, qx.expand(B, H, bq, E), qb.new_zeros(B, H, bq, pad)], dim=-1)  # [B, H, bq, D+E+pad]
     kf = torch.cat([k[:, :, lo:hi], kx.expand(B, H, bk, E), k.new_zeros(B, H, bk, pad)], dim=-1)
     vf = F.pad(v[:, :, lo:hi], (0, E + pad))  # [B, H, bk, D+E+pad]: zero columns
-    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, is_causal=causal, scale=scale)
+    o = sdpa(qf, kf, vf, mask, is_causal=causal, scale=scale)
     return o[..., :D]  # [B, H, bq, D]
 
 

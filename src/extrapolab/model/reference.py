@@ -28,9 +28,9 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..positional.base import PositionalScheme, ScoreBlock, causal_distance
+from .sdpa import sdpa
 
 #: ``sink(layer, logits, num_keys)``: tau = 1 logits [B, H, bq, bk] of consecutive query rows (-inf
 #: where masked); the columns are the first bk of the call's ``num_keys`` keys (later keys are masked
@@ -193,7 +193,7 @@ def dense_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int 
                 add, qb = divide_finite(add, ts.to(add.dtype)), qb / ts.to(qb.dtype)
             mask = (add / tau if tau != 1.0 else add).to(q.dtype)
             mask = mask.unsqueeze(0) if mask.dim() == 3 else mask  # [1, H|1, bq, bk]: 4-D keeps the fused CPU kernel
-            outs.append(F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0 / math.sqrt(D) / tau))
+            outs.append(sdpa(qb, kb, vb, mask, scale=1.0 / math.sqrt(D) / tau))
             continue
         lg, blk = block_logits(qb, kb, qp, kp, scheme, layer, window, bb, cb, ts)  # [B, H, bq, bk]
         if sink is not None:

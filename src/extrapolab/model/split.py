@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..positional.base import PositionalScheme
 from .reference import dense_attention
+from .sdpa import sdpa
 from .tables import DistanceBias
 from .toeplitz import toeplitz_attention
 
@@ -132,6 +133,6 @@ def _by_distance(q, k, v, q_pos, scheme, layer: int, db: DistanceBias, starts, n
         if tau != 1.0 or G.dtype != q.dtype:
             G = (G / tau).to(q.dtype)
         mask = G.as_strided((1, H, R, hi), (0, G.stride(0), G.stride(1) + 1, 1), G.storage_offset())  # [1, H, R, hi]
-        outs.append(F.scaled_dot_product_attention(qb, kf[:, :, Lk - hi:], vf[:, :, Lk - hi:], attn_mask=mask,
+        outs.append(sdpa(qb, kf[:, :, Lk - hi:], vf[:, :, Lk - hi:], mask,
                                                    scale=scale))  # [B, H, R, D]
     return torch.cat(outs, dim=2)

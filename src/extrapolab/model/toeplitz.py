@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .reference import divide_finite
+from .sdpa import sdpa
 from .tables import DistanceBias
 
 #: The fused CPU kernel that returns (out, logsumexp), which :class:`HankelSDPA` needs for its
@@ -224,7 +225,7 @@ def toeplitz_attention(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *,
             o = tiled_softmax(qb, kb, vb, ext, wext, r0 + lo, scale, need_lse=False)[0]
         else:
             m = hankel_view(ext, r0 + lo, r1 - r0, hi - lo)  # [1, H', bq, bk]
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=m if fused else m.contiguous(),
+            o = sdpa(qb, kb, vb, m if fused else m.contiguous(),
                                                scale=scale)
         outs.append(o)  # [B, H, bq, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

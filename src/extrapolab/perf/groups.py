@@ -9,6 +9,7 @@ import torch
 
 from .. import positional
 from ..memory import PeakMemory
+from ..model import flex
 from ..model.attention import AttnOptions, attend, flush_denormals
 from ..model.cache import KVCache
 from ..model.gpt import GPT
@@ -26,7 +27,7 @@ def attention_only(model: GPT, B: int, L: int, grad: bool) -> Callable[[], None]
     qkv = [torch.randn(B, cfg.heads, L, cfg.dim // cfg.heads, generator=g).to(dev).requires_grad_(grad)
            for _ in range(3)]  # q, k, v: [B, H, L, D]
     hidden = torch.randn(B, L, cfg.dim, generator=g).to(dev)  # [B, L, C] the layers' input
-    pos, opts = torch.arange(L, device=dev), AttnOptions(impl="auto")
+    pos, opts = torch.arange(L, device=dev), AttnOptions(impl="auto", paths=model.attn_opts.paths)
 
     def run() -> None:
         with torch.set_grad_enabled(grad):
@@ -40,6 +41,20 @@ def attention_only(model: GPT, B: int, L: int, grad: bool) -> Callable[[], None]
             if grad:
                 total.backward()
     return run
+
+
+def observe(model: GPT) -> dict:
+    """Start recording what ``model``'s calls run: the attention paths (counted into ``model.attn_opts.paths``)
+    and the FlexAttention compiles from here on; :func:`observed` reads them after the row's warm-up."""
+    model.attn_opts = AttnOptions(**{**model.attn_opts.__dict__, "paths": {}})
+    return {"events_from": len(flex._COMPILED[0].events) if flex._COMPILED else 0}
+
+
+def observed(model: GPT, mark: dict) -> dict:
+    """{"paths": {path: calls}, "kernels": [each new compiled shape's tile options, outcome, seconds]} since
+    :func:`observe` (docs/attention.md: which path runs when; "Tiles")."""
+    events = flex._COMPILED[0].events[mark["events_from"]:] if flex._COMPILED else []
+    return {"paths": dict(model.attn_opts.paths or {}), "kernels": list(events)}
 
 
 def unfused_reason(model: GPT) -> str:
@@ -100,12 +115,15 @@ def bench_train(ctx: Context) -> dict:
         idx = torch.randint(0, ctx.cfg.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(L))
         x, y = idx[:, :-1].to(ctx.device), idx[:, 1:].to(ctx.device)  # [B, L] each
         jobs, models = {}, {}
+        seen = {}
         for s in ctx.specs:
             models[s.label] = build_model(ctx, s)
+            mark = observe(models[s.label])
             for part, fn in _train_jobs(ctx, models[s.label], x, y, parts, B, L, s.positions).items():
                 for _ in range(ctx.warmup):
                     fn()
                 jobs[(s.label, part)] = fn
+            seen[s.label] = observed(models[s.label], mark)
         times, beside = paired_rounds(jobs, _bases(jobs), ctx.rounds, ctx.device)
         prov = ctx.prov(L=L, batch=B, group="train")
         rows = {}
@@ -114,7 +132,7 @@ def bench_train(ctx: Context) -> dict:
                 jobs[(s.label, parts[0])]()
             rows[s.label] = {"scheme": s.name, "batch": B, **prov, "peak_mib": mem.mib,
                              "params": sum(p.numel() for p in models[s.label].parameters()),
-                             **_measured(times, beside, s.label, parts)}
+                             **_measured(times, beside, s.label, parts), **seen[s.label]}
             why = unfused_reason(models[s.label])
             if why:  # no fused kernel: the bench says why
                 rows[s.label]["unfused"] = why
@@ -125,7 +143,7 @@ def bench_train(ctx: Context) -> dict:
 
 
 def bench_long(ctx: Context) -> dict:
-    out, opts = {}, AttnOptions(impl="auto")
+    out = {}
     rounds = max(3, int(ctx.opts.get("long_repeats", 3)))
     for L in ctx.opts["long_lengths"]:
         x = torch.randint(0, ctx.cfg.vocab_size, (1, L), generator=torch.Generator().manual_seed(L)).to(ctx.device)
@@ -140,22 +158,23 @@ def bench_long(ctx: Context) -> dict:
 
             def fwd(m=m):
                 with torch.no_grad():
-                    m(x, opts=opts)
+                    m(x)
 
+            mark = observe(m)
             fwd, attn = ctx.amp(fwd), ctx.amp(attention_only(m, 1, L, grad=False))
             ctx.say(f"long L={L}: {s.label} warm-up at this length")
             with PeakMemory(ctx.device) as mem:  # the warm-up forward is the memory probe
                 fwd()
             attn()
             jobs[(s.label, "fwd_s")], jobs[(s.label, "attn_s")] = fwd, attn
-            mems[s.label] = (mem.mib, mem.abs_mib, window_limited(m, L), unfused_reason(m))
+            mems[s.label] = (mem.mib, mem.abs_mib, window_limited(m, L), unfused_reason(m), observed(m, mark))
         ctx.say(f"long L={L}: {len(mems)} schemes x {rounds} rotated rounds")
         times, beside = paired_rounds(jobs, _bases(jobs), rounds, ctx.device)
         prov = ctx.prov(L=L, batch=1, group="long")
-        for label, (mib, abs_mib, sparse, why) in mems.items():
+        for label, (mib, abs_mib, sparse, why, seen) in mems.items():
             rows[label] = {**prov, "peak_mib": mib, "peak_abs_mib": abs_mib, "sparse": sparse,
                            **_measured(times, beside, label, ("fwd_s", "attn_s")),
-                           **({"unfused": why} if why else {})}
+                           **({"unfused": why} if why else {}), **seen}
         if BASE in mems:
             add_ratios({k: r for k, r in rows.items() if "skipped" not in r}, BASE, ("fwd_s", "attn_s"))
         out[str(L)] = {s.label: rows[s.label] for s in ctx.natural()}

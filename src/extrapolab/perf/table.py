@@ -81,6 +81,53 @@ def check_goals(result: dict) -> list[str]:
     return out
 
 
+#: the CUDA goals (bf16 autocast, GPT-2 small, `bench --preset gpu-quick`): scheme -> (train step at L_tr 512,
+#: forward at 32,768) as a ratio to bias-free flash SDPA timed next to it; KERPLE's forward is evaluation
+#: (no gradient), T5's the learnable-table limit
+GPU_GOALS = {**{n: (1.10, 1.10) for n in ("rotary", "xpos", "hybrid", "nope-headscale")},
+             **{n: (1.10, 1.30) for n in ("alibi", "sandwich", "windowed", "qin-type1", "qin-type2")},
+             "t5": (1.30, 1.50), "kerple-log": (1.30, 1.30), "kerple-power": (1.30, 1.30),
+             "fox": (1.30, 1.30), "fire": (1.60, 2.00)}
+GPU_TRAIN_L, GPU_LONG_L = 512, 32768
+
+
+def check_gpu_goals(result: dict) -> list[str]:
+    """One line per scheme with a CUDA goal: its train-step ratio at L_tr = 512 and its forward ratio at 32,768
+    against the limits of :data:`GPU_GOALS` (met / MISSED / not measured)."""
+    train = (result.get("train") or {}).get(str(GPU_TRAIN_L)) or {}
+    long = (result.get("long") or {}).get(str(GPU_LONG_L)) or {}
+    out = []
+    for name, (lt, ll) in GPU_GOALS.items():
+        cells = []
+        for what, rows, key, limit in (("train step", train, "step_s_ratio", lt), ("forward 32k", long, "fwd_s_ratio", ll)):
+            r = (rows.get(name) or {}).get(key)
+            cells.append(f"{what} not measured (goal <= {limit:.2f}x)" if r is None else
+                         f"{what} {r['median']:.2f}x <= {limit:.2f}x {'met' if r['median'] <= limit else 'MISSED'}")
+        if any("not measured" not in c for c in cells):
+            out.append(f"gpu goal {name}: " + "; ".join(cells))
+    return out
+
+
+def _path(r: dict) -> str:
+    """The attention paths a row's calls ran (docs/attention.md), e.g. "flex" or "flex 24 + toeplitz 12"."""
+    paths = r.get("paths") or {}
+    if len(paths) <= 1:
+        return next(iter(paths), "—")
+    return " + ".join(f"{p} {n}" for p, n in sorted(paths.items(), key=lambda kv: -kv[1]))
+
+
+def _kernels(rows: dict) -> list[str]:
+    """One line per scheme whose calls compiled FlexAttention: each new shape's tiles, outcome and first-call seconds."""
+    notes = []
+    for s, r in rows.items():
+        ev = r.get("kernels") or []
+        if ev:
+            shown = "; ".join(f"{e['options']} {e['status']} {e['seconds']:.1f} s (Lq {e['q_shape'][2]}, "
+                              f"{e['dtype']}, grad {e['grad']})" for e in ev)
+            notes.append(f"- {s}: FlexAttention {shown}")
+    return [""] + notes if notes else []
+
+
 def _unfused(rows: dict) -> list[str]:
     """One line per scheme that no fused kernel runs, with the reason (its score-level hooks)."""
     notes = [f"- {s}: reference path, no fused kernel: {r['unfused']}" for s, r in rows.items() if r.get("unfused")]
@@ -89,29 +136,29 @@ def _unfused(rows: dict) -> list[str]:
 
 def _train(L: str, rows: dict) -> list[str]:
     lines = ["", f"### train, L_tr = {L} (batch {next(iter(rows.values()))['batch']})", "",
-             "| scheme | step ms | step ×NoPE | fwd ms | fwd ×NoPE | attention-only fwd+bwd ms | "
-             "attention ×NoPE | peak MiB | params |", "|---" * 9 + "|"]
+             "| scheme | path | step ms | step ×NoPE | fwd ms | fwd ×NoPE | attention-only fwd+bwd ms | "
+             "attention ×NoPE | peak MiB | params |", "|---" * 10 + "|"]
     for s, r in rows.items():
-        lines.append(f"| {s} | {_ms(r['step_s']):.1f} | {fmt_ratio(r.get('step_s_ratio'))} | "
+        lines.append(f"| {s} | {_path(r)} | {_ms(r['step_s']):.1f} | {fmt_ratio(r.get('step_s_ratio'))} | "
                      + (f"{_ms(r['fwd_s']):.1f} | {fmt_ratio(r.get('fwd_s_ratio'))} | " if "fwd_s" in r else "— | — | ")
                      + (f"{_ms(r['attn_s']):.1f} | {fmt_ratio(r.get('attn_s_ratio'))} | " if "attn_s" in r else "— | — | ")
                      + f"{r['peak_mib']:.0f} | {r['params']:,} |")
-    return lines + _unfused(rows)
+    return lines + _unfused(rows) + _kernels(rows)
 
 
 def _long(L: str, rows: dict) -> list[str]:
     lines = ["", f"### long-context forward, L = {L}, batch 1 (sparse: window-limited, skips masked keys)", "",
-             "| scheme | fwd s | ×NoPE | attention-only s | attention ×NoPE | peak Δ MiB | peak MiB |",
-             "|---" * 7 + "|"]
+             "| scheme | path | fwd s | ×NoPE | attention-only s | attention ×NoPE | peak Δ MiB | peak MiB |",
+             "|---" * 8 + "|"]
     for s, r in rows.items():
         if "skipped" in r:
-            lines.append(f"| {s} | skipped: {r['skipped']} |" + " |" * 5)
+            lines.append(f"| {s} | skipped: {r['skipped']} |" + " |" * 6)
             continue
         name = f"{s} (sparse)" if r.get("sparse") else s
-        lines.append(f"| {name} | {_ms(r['fwd_s']) / 1e3:.3f} | {fmt_ratio(r.get('fwd_s_ratio'))} | "
+        lines.append(f"| {name} | {_path(r)} | {_ms(r['fwd_s']) / 1e3:.3f} | {fmt_ratio(r.get('fwd_s_ratio'))} | "
                      f"{_ms(r['attn_s']) / 1e3:.3f} | {fmt_ratio(r.get('attn_s_ratio'))} | "
                      f"{r['peak_mib']:.0f} | {r['peak_abs_mib']:.0f} |")
-    return lines + _unfused(rows)
+    return lines + _unfused(rows) + _kernels(rows)
 
 
 def format_generation(gen: dict) -> list[str]:
@@ -162,5 +209,5 @@ def format_table(result: dict) -> str:
     for group, fmt in FORMATTERS.items():
         if result.get(group):
             lines += fmt(result[group])
-    lines += [""] + check_goals(result)
+    lines += [""] + (check_gpu_goals(result) if str(meta["device"]).startswith("cuda") else check_goals(result))
     return "\n".join(lines)

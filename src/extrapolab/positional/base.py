@@ -169,7 +169,9 @@ class PositionalScheme(nn.Module):
         caller's), written with pointwise tensor ops on tensors it captures (its parameters keep their
         graph): FlexAttention's ``score_mod`` evaluates it per (query, key) inside one fused kernel, so a
         scheme whose rows are not one distance table (FIRE beyond L: each query its own normaliser) needs
-        no mask (docs/attention.md, row 7 on CUDA). No host read."""
+        no mask (docs/attention.md, row 7 on CUDA). No host read. Each captured tensor that requires a
+        gradient may be indexed ONCE (FlexAttention's compiled backward scatters one index per tensor; a second
+        is "multiple indexing operations on the same tensor"): index copies from :func:`flex_copies` instead."""
         return None
 
     def alibi_slopes(self, layer: int = 0) -> torch.Tensor | None:
@@ -228,6 +230,16 @@ class PositionalScheme(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in {"heads": self.num_heads, **self.options()}.items())
+
+
+def flex_copies(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``n`` tensors equal to ``t`` for a ``flex_bias`` that indexes ``t`` n times: where ``t`` requires a
+    gradient, every index after the first reads its own clone (the gradients flow back through the clones and
+    add up in ``t``), since FlexAttention's compiled backward takes one index per gradient-requiring captured
+    tensor (docs/attention.md, "What a score_mod may gather"); ``t`` itself n times where none is needed."""
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return [t] * n
+    return [t] + [t.clone() for _ in range(n - 1)]
 
 
 def causal_distance(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

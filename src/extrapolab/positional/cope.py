@@ -63,7 +63,7 @@ class CoPE(PositionalScheme):
         # p <= the number of keys, so a block of bk keys reads e[0 .. min(npos - 1, bk)] only
         emb = self.emb[block.layer, :, :min(self.npos, logits.shape[-1] + 1)].to(block.q.dtype)  # [D, n]
         e = torch.matmul(block.q, emb) / math.sqrt(self.head_dim)  # [B, H, bq, n]
-        return logits + CoPELogits.apply(gate_logits, e, self.npos).to(logits.dtype)
+        return logits + CoPELogits.apply(gate_logits, e, self.npos).to(logits.dtype)  # [B, H, bq, bk]
 
 
 class CoPELogits(torch.autograd.Function):
@@ -78,32 +78,44 @@ class CoPELogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, e, npos: int):
-        g = torch.sigmoid(logits)  # [B, H, bq, bk]
-        p = g.cumsum(-1)
-        p = torch.sub(g.sum(-1, keepdim=True), p).add_(g).clamp_(max=npos - 1)  # Σ_{t >= j} g_t
+        g, p = positions(logits, npos)  # [B, H, bq, bk] gates and positions, fp32 at least
+        ew = e.to(p.dtype)  # [B, H, bq, npos]
         idx = p.long()  # ⌊p⌋ (p >= 0)
-        up = torch.cat([e[..., 1:], e[..., -1:]], -1)  # e[⌊p⌋ + 1], the last one repeated
-        e0 = e.gather(-1, idx)
+        up = torch.cat([ew[..., 1:], ew[..., -1:]], -1)  # e[⌊p⌋ + 1], the last one repeated
+        e0 = ew.gather(-1, idx)
         out = up.gather(-1, idx).sub_(e0)  # e[⌊p⌋+1] - e[⌊p⌋]
         ctx.save_for_backward(g, p, e)
-        ctx.npos = npos
+        ctx.npos, ctx.dtype = npos, logits.dtype
         return out.mul_(p - idx).add_(e0)
 
     @staticmethod
     def backward(ctx, grad):
         g, p, e = ctx.saved_tensors
         npos = ctx.npos
+        ew, grad = e.to(p.dtype), grad.to(p.dtype)
         idx = p.long()
         w = p - idx
-        up = torch.cat([e[..., 1:], e[..., -1:]], -1)
-        de = torch.zeros_like(e).scatter_add_(-1, idx, grad * (1 - w))  # [B, H, bq, npos]
-        dup = torch.zeros_like(e).scatter_add_(-1, idx, grad * w)
+        up = torch.cat([ew[..., 1:], ew[..., -1:]], -1)
+        de = torch.zeros_like(ew).scatter_add_(-1, idx, grad * (1 - w))  # [B, H, bq, npos]
+        dup = torch.zeros_like(ew).scatter_add_(-1, idx, grad * w)
         de[..., 1:] += dup[..., :-1]
         de[..., -1] += dup[..., -1]  # the repeated last entry
-        dp = up.gather(-1, idx).sub_(e.gather(-1, idx)).mul_(grad)  # [B, H, bq, bk]
+        dp = up.gather(-1, idx).sub_(ew.gather(-1, idx)).mul_(grad)  # [B, H, bq, bk]
         dp = dp.masked_fill_(p >= npos - 1, 0.0)  # clipped positions pass no gradient
         dlogits = dp.cumsum(-1).mul_(g).mul_(1 - g)  # Σ_{j <= t} dp_j · σ'(l_t)
-        return dlogits, de, None
+        return dlogits.to(ctx.dtype), de.to(e.dtype), None
+
+
+def positions(logits: torch.Tensor, npos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, p): gates σ(l) and CoPE's positions p_j = min(Σ_{t >= j} g_t, npos - 1) of eq. 4, both [B, H, bq, bk],
+    in fp32 where the logits are 16-bit (fp64 stays fp64). The reverse cumulative sum is computed directly
+    (flip, cumsum, flip, as the official code does): the difference of two running sums, total - prefix + g,
+    loses the small positions to cancellation -- in bf16 up to 2.0 positions at 600 keys and 5.5 at 2,048
+    (CPU autocast keeps cumsum in bf16), which tests/test_cope.py checks against fp64."""
+    work = logits if logits.dtype == torch.float64 else logits.float()
+    g = torch.sigmoid(work)  # [B, H, bq, bk]
+    p = g.flip(-1).cumsum(-1).flip(-1).clamp_(max=npos - 1)  # Σ_{t >= j} g_t
+    return g, p
 
     def options(self):
         return {"layers": self.layers, "head_dim": self.head_dim, "npos_max": self.npos_max,

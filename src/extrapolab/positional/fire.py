@@ -44,7 +44,7 @@ import math
 import torch
 from torch import nn
 
-from .base import RelativeBias, SchemeError, causal_distance
+from .base import RelativeBias, SchemeError, causal_distance, flex_copies
 from .registry import register
 
 
@@ -241,14 +241,16 @@ class FIRE(RelativeBias):
         g, dt, dev = self._g(layer), self.c.dtype, self.c.device
         psi = self.psi(torch.arange(n, device=dev, dtype=dt), layer)  # [n] ψ(d)
         inv = self.inv_norm(torch.arange(Lq, device=dev, dtype=dt) + a, layer)  # [Lq] at the query positions
-        w1, b1, w2, b2 = self.w1[g], self.b1[g], self.w2[g], self.b2[g]  # [W], [W], [H, W], [H]
+        W = self.width
+        # [W] x W, [W] x W, [H, W] x W, [H]: one index per gradient-requiring tensor (flex_copies)
+        w1, b1, w2, b2 = flex_copies(self.w1[g], W), flex_copies(self.b1[g], W), flex_copies(self.w2[g], W), self.b2[g]
         off = torch.full((), a - c, device=dev, dtype=torch.int64)  # filled on the device
 
         def bias(h, q_idx, kv_idx):
             x = psi[(q_idx - kv_idx + off).clamp(0, n - 1)] * inv[q_idx]
             out = b2[h]
-            for u in range(self.width):
-                out = out + w2[h, u] * torch.relu(x * w1[u] + b1[u])
+            for u in range(W):
+                out = out + w2[u][h, u] * torch.relu(x * w1[u][u] + b1[u][u])
             return out
         return bias
 

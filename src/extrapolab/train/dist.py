@@ -36,10 +36,16 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     owns_group: bool = False
+    joined: bool = False  # in a process group (torchrun, at any world size, world size 1 included)
 
     @property
     def enabled(self) -> bool:
-        return self.world > 1
+        return self.world > 1 or self.joined
+
+    @property
+    def backend(self) -> str | None:
+        """The process group's backend (nccl on CUDA, gloo on the CPU), None outside one."""
+        return dist.get_backend() if self.joined and dist.is_initialized() else None
 
     @property
     def is_main(self) -> bool:
@@ -96,9 +102,11 @@ def resolve_device(spec: str, local_rank: int = 0, what: str = "train.device") -
 
 
 def setup(device_spec: str) -> DistEnv:
-    """Join the torchrun process group if WORLD_SIZE > 1 (or reuse an initialised one)."""
+    """Join the torchrun process group when launched by torchrun -- at any world size, so that one process runs
+    the multi-GPU path's code (DDP, collectives on NCCL or gloo) -- or reuse an initialised one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 and not dist.is_initialized():
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or world > 1
+    if not launched and not dist.is_initialized():
         return DistEnv(device=resolve_device(device_spec))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_spec, local)
@@ -108,7 +116,7 @@ def setup(device_spec: str) -> DistEnv:
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
         owns = True
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local, device, owns)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local, device, owns, joined=True)
 
 
 def wrap(model: nn.Module, strategy: str, env: DistEnv) -> nn.Module:

@@ -310,7 +310,7 @@ class _Trainer:
                 "train_seconds": self.train_seconds, "wall_seconds": wall, "resumed_from": self.start_step or None,
                 "peak_memory_mb": mem, "peak_memory_kind": kind, "device": str(env.device),
                 "precision": self.precision, "world_size": env.world, "strategy": tc.strategy,
-                "scheme": self.cfg.model.scheme, "train_length": self.cfg.model.train_length,
+                "backend": env.backend, "scheme": self.cfg.model.scheme, "train_length": self.cfg.model.train_length,
                 "positions": tc.positions,
             }
             summary = R.build_summary(self.run_dir, base, tokens_per_step)

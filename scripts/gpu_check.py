@@ -1,0 +1,180 @@
+"""One command that proves extrapolab on a bare CUDA machine (run it as `scripts/gpu-check.sh` or `make gpu-check`).
+
+From the source tree (`PYTHONPATH=src`, no setup step, no network), on a machine with torch >= 2.11 and CUDA, it runs
+in one pass, each stage with a time limit (together <= 8 minutes on one H100), everything written under OUT:
+
+1. `pytest -m gpu` over tests/ (every GPU test; per-file times from its JUnit XML, each file goal < 3 min);
+2. `extrapolab bench --preset gpu-quick` (GPT-2 small, bf16): train rows at L_tr 512 and long forwards at 8,192 and
+   32,768 for every scheme with a CUDA goal (docs/attention.md, perf.table.GPU_GOALS) plus NoPE, each row with the
+   attention path it took, FlexAttention's tile options, outcome and compile seconds, any fallback;
+3. a 300-step `demo --preset gpu-quick` slice on NoPE and ALiBi with its E1 table;
+4. a one-process `torchrun` training run (the multi-GPU path's code at world size 1: NCCL on CUDA);
+
+then prints the goals met or missed and writes OUT/gpu-check.md (and docs/results/gpu-<gpu>.md): the GPU's name,
+torch, CUDA, triton, the command, each stage's wall time and outcome. `--dry-run` runs the same stages at toy
+sizes on the CPU (gloo), which the test suite uses to check this script's plumbing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMES = ("rotary", "xpos", "hybrid", "nope-headscale", "alibi", "sandwich", "windowed", "qin-type1", "kerple-log",
+           "t5", "fox", "fire")
+#: stage -> seconds it may take (sum 480 s = 8 minutes)
+LIMITS = {"pytest": 150, "bench-train": 150, "bench-long": 90, "demo": 60, "torchrun": 30}
+
+
+def _env() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "not installed"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = "unknown (no git)"
+    return info
+
+
+def _stage(name: str, cmd: list[str], out: Path, limit: float, stages: dict) -> int:
+    """Run ``cmd`` with ``limit`` seconds, its output in OUT/<name>.log; record rc and wall time."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.time()
+    print(f"[gpu-check] {name}: {' '.join(shlex.quote(c) for c in cmd)} (limit {limit} s)", flush=True)
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    stages[name] = {"rc": rc, "seconds": round(time.time() - t0, 1), "limit_s": limit,
+                    "command": " ".join(shlex.quote(c) for c in cmd)}
+    print(f"[gpu-check] {name}: rc {rc} in {stages[name]['seconds']} s", flush=True)
+    return rc
+
+
+def _pytest_summary(xml: Path) -> dict:
+    """Counts and per-file seconds from pytest's JUnit XML."""
+    if not xml.is_file():
+        return {"missing": True}
+    root = ET.parse(xml).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    files: dict[str, float] = {}
+    failed = []
+    for case in suite.iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        f = next((p for p in parts if p.startswith("test_")), parts[0]) + ".py"
+        files[f] = files.get(f, 0.0) + float(case.get("time", 0))
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")} | {
+        "seconds_per_file": dict(sorted(files.items(), key=lambda kv: -kv[1])), "failed": failed}
+
+
+def _fallbacks(out: Path) -> list[str]:
+    """Every one-line 'runs on the ... path instead' warning the stages printed."""
+    lines = []
+    for log in sorted(out.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "path instead" in line:
+                lines.append(f"{log.stem}: {line.strip()[:300]}")
+    return sorted(set(lines))
+
+
+def _e1_table(demo_out: Path) -> str:
+    tables = sorted(demo_out.rglob("*nonoverlapping*.md")) or sorted(demo_out.rglob("*e1*.md"))
+    return tables[0].read_text() if tables else "(no E1 table written)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", default="reports/gpu-check", help="output folder")
+    ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (checks the plumbing)")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    py, t0, stages = sys.executable, time.time(), {}
+    env = _env()
+    print(f"[gpu-check] {env}", flush=True)
+    dry = args.dry_run
+    slack = 10 if dry else 1  # a small, shared CPU runs the toy sizes without the GPU's limits
+    dev = ["--device", "cpu", "--dtype", "fp32"] if dry else ["--device", "cuda", "--dtype", "bf16"]
+    workers = ["-n", str(min(8, os.cpu_count() or 1))] if not dry else []
+    _stage("pytest", [py, "-m", "pytest", "-m", "gpu", "-q", *workers, "--timeout", "180", "-p", "no:cacheprovider",
+                      "-o", "addopts=", "--junitxml", str(out / "pytest-gpu.xml"), "-rfE", "--tb=line", "tests"],
+           out, LIMITS["pytest"] * slack, stages)
+    bench = [py, "-m", "extrapolab", "bench", *dev, "--rounds", "2" if dry else "3",
+             "--schemes", ",".join(SCHEMES[:3] + ("alibi", "fire") if dry else SCHEMES)]
+    bench += (["--train-lengths", "64", "--long-lengths", "256"] if dry else
+              ["--preset", "gpu-quick", "--train-lengths", "512", "--long-lengths", "8192,32768"])
+    for group in ("train", "long"):
+        _stage(f"bench-{group}", bench + ["--groups", group, "--out", str(out / f"bench-{group}.json")],
+               out, LIMITS[f"bench-{group}"] * slack, stages)
+    demo = [py, "-m", "extrapolab", "demo", "--preset", "smoke" if dry else "gpu-quick", "--out", str(out / "demo"),
+            *dev, "--set", "sweep.schemes=[none,alibi]", "--set", "sweep.time_budget_s=0",
+            "--set", f"train.steps={20 if dry else 300}", "--set", "eval.protocols=[nonoverlapping]"]
+    _stage("demo", demo, out, LIMITS["demo"] * slack, stages)
+    run = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "extrapolab.train",
+           "--preset", "demo-smoke", "--run-dir", str(out / "torchrun"), "--no-progress", "--set", "train.steps=10",
+           "--set", f"train.device={'cpu' if dry else 'cuda'}"]
+    _stage("torchrun", run, out, LIMITS["torchrun"] * slack, stages)
+    _report(out, env, stages, time.time() - t0, dry)
+    return 0 if all(s["rc"] == 0 for s in stages.values()) else 1
+
+
+def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
+    sys.path.insert(0, str(ROOT / "src"))
+    from extrapolab.perf.table import check_gpu_goals, format_table
+
+    bench = {}
+    for g in ("train", "long"):
+        f = out / f"bench-{g}.json"
+        if f.is_file():
+            res = json.loads(f.read_text())
+            bench.setdefault("meta", res["meta"])
+            bench[g] = res.get(g)
+    pt = _pytest_summary(out / "pytest-gpu.xml")
+    summary = out / "torchrun" / "summary.json"
+    run = json.loads(summary.read_text()) if summary.is_file() else {}
+    lines = [f"# extrapolab GPU check on {env['gpu']}", "",
+             f"`scripts/gpu-check.sh {'--dry-run ' if dry else ''}{out.name}` at commit {env['commit']}: torch {env['torch']}, "
+             f"CUDA {env['cuda']}, triton {env['triton']}, Python {env['python']}; wall time {wall:.0f} s.", "",
+             "| stage | rc | seconds (limit) | command |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['rc']}{' (timed out)' if v['rc'] == 124 else ''} | {v['seconds']} ({v['limit_s']}) | "
+              f"`{v['command']}` |" for k, v in stages.items()]
+    lines += ["", "## pytest -m gpu", "", json.dumps(pt, indent=1)]
+    if bench.get("meta"):
+        lines += ["", "## bench (ratios to bias-free SDPA timed next to each call)", "", format_table(bench)]
+        if not dry:
+            lines += ["", "## goals (docs/attention.md)", ""] + check_gpu_goals(bench)
+    fb = _fallbacks(out)
+    lines += ["", "## fallbacks (one-line warnings)", ""] + (fb or ["none"])
+    lines += ["", "## demo slice: E1 (NoPE, ALiBi)", "", _e1_table(out / "demo")]
+    lines += ["", f"## torchrun, one process: rc {stages['torchrun']['rc']}, backend {run.get('backend')}, world size "
+              f"{run.get('world_size')}, device {run.get('device')}, {run.get('steps')} steps"]
+    text = "\n".join(lines) + "\n"
+    (out / "gpu-check.md").write_text(text)
+    if not dry:
+        slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
+        dest = ROOT / "docs" / "results" / f"gpu-{'h100' if 'h100' in slug else slug}.md"
+        dest.write_text(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
