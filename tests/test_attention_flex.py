@@ -165,6 +165,24 @@ def test_gather_spy_sees_a_second_index_of_one_tensor():
     assert gathers_per_tensor(lambda s, b, h, q, kv: s + t.detach()[h, q]) == {}
 
 
+def test_alibi_and_windowed_gather_nothing_in_the_kernel(monkeypatch):
+    """ALiBi's score_mod is closed form (a per-head slope times the distance) and windowed attention's is the mask
+    alone: no [M, N] gather from a captured table, so torch's default tiles fit; tables keep the gather. The values
+    are checked against the reference for every scheme by test_flex_forward_on_cpu_equals_reference_for_every_scheme."""
+    seen = {}
+
+    def kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True):
+        seen[name] = gather
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(flex, "kernel", lambda device: kernel)
+    for name in ("alibi", "windowed", "kerple-log", "sandwich", "t5"):
+        q, k, v = _qkv(1, 2, 40, 40, 16)
+        with torch.no_grad():
+            attend(q, k, v, torch.arange(40), torch.arange(40), _scheme(name, heads=2), 0, AttnOptions(impl="flex"))
+    assert seen == {"alibi": False, "windowed": False, "kerple-log": True, "sandwich": True, "t5": True}
+
+
 def test_gradient_comparison_floors_noise_but_not_real_errors():
     """The GPU tests' comparison: rounding noise on a parameter whose exact gradient is 0 (FIRE's b2 on the
     H100: 2.9e-10 vs 6.5e-11, relative error 0.97) passes; a 1% error on a parameter that matters does not."""

@@ -238,6 +238,33 @@ def score_mod_for(bias: torch.Tensor, weight: torch.Tensor | None, off: torch.Te
     return score_mod
 
 
+def score_mod_alibi(slopes: torch.Tensor, off: torch.Tensor, inv_tau: torch.Tensor):
+    """score_mod = (s - slopes[h] · d) · inv_tau, d = off + q_idx - kv_idx: ALiBi in closed form (Press et al. 2022
+    §3), a per-head scalar load and arithmetic instead of a gather from an [H, n] table, so torch's default tiles fit
+    (docs/attention.md, "Tiles")."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return (score - slopes[h] * (q_idx - kv_idx + off)) * inv_tau
+    return score_mod
+
+
+def score_mod_scaled(inv_tau: torch.Tensor):
+    """score_mod = s · inv_tau: a scheme whose bias is a pure mask (``mask_only``: windowed) needs only the block mask."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * inv_tau
+    return score_mod
+
+
+def table_form(scheme, layer: int) -> str:
+    """How the flex path writes a distance-table scheme's score_mod: "mask" (``mask_only``: no term), "alibi"
+    (the ALiBi form, closed form from the slopes) or "table" (a gather from the [H, n] table, the only form whose
+    tiles :func:`.flex_tiles.plan` shrinks)."""
+    if scheme.mask_only and not scheme.has_weight:
+        return "mask"
+    if not scheme.has_weight and not scheme.learnable and scheme.alibi_slopes(layer) is not None:
+        return "alibi"
+    return "table"
+
+
 def mask_mod_for(finite: torch.Tensor, off: torch.Tensor):
     """mask_mod(b, h, q_idx, kv_idx): distance d = off + q_idx - kv_idx is in [0, n) and finite[d]."""
     n = finite.shape[0]
@@ -310,8 +337,17 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
     off = db.memo(("off", dev, a - c), lambda: torch.full((), a - c, device=dev, dtype=torch.int64))
     inv_tau = db.memo(("inv_tau", dev, float(tau), bias.dtype),
                       lambda: torch.full((), 1.0 / tau, device=dev, dtype=bias.dtype))
-    mod = score_mod_for(bias, weight, off, inv_tau)
-    return kernel(dev.type)(q, k, v, gather=True, score_mod=mod, block_mask=bm, scale=scale)
+    form = table_form(scheme, layer)
+    if form == "mask":
+        mod = score_mod_scaled(inv_tau)
+    elif form == "alibi":
+        slopes = scheme.alibi_slopes(layer).to(dev, torch.float32)  # [H]
+        if tau_h is not None:
+            slopes = slopes / tau_h.reshape(-1).to(slopes)
+        mod = score_mod_alibi(slopes.expand(H).contiguous(), off, inv_tau)
+    else:
+        mod = score_mod_for(bias, weight, off, inv_tau)
+    return kernel(dev.type)(q, k, v, gather=form == "table", score_mod=mod, block_mask=bm, scale=scale)
 
 
 def _kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):

@@ -87,6 +87,8 @@ class PositionalScheme(nn.Module):
     has_weight: ClassVar[bool] = False
     #: ``content_positions`` returns positions computed from the layer input (FoX)
     has_content: ClassVar[bool] = False
+    #: the bias is 0 wherever it is finite (a pure mask: windowed attention): fused kernels need only the mask
+    mask_only: ClassVar[bool] = False
     #: non-empty for schemes with score-level hooks: why no fused kernel can run them (shown by
     #: ``extrapolab bench``); attention then always takes the reference path, in query blocks
     reference_only: ClassVar[str] = ""

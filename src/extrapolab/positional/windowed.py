@@ -17,6 +17,7 @@ class Windowed(RelativeBias):
     name = "windowed"
     paper = "Sandwich paper §3.3 (l_mn = q·k if n + w > m >= n else -inf)"
     summary = "hard window: attend to the w most recent keys (including the query itself)"
+    mask_only = True  # 0 inside the window, -inf outside
 
     def __init__(self, num_heads: int, window: int = 64) -> None:
         super().__init__(num_heads)
