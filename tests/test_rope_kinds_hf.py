@@ -5,6 +5,7 @@ frequencies and attention factor (positional/rotary_*.py), on both sides of L_tr
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hf_tiny import MAXPOS, save_tiny  # noqa: E402
 
 from extrapolab import positional as P  # noqa: E402
 from extrapolab.hf import open_hf, parse_rope  # noqa: E402
+from extrapolab.io import UserError  # noqa: E402
 
 SHORT, LONG = [1.0, 1.05, 1.1, 1.3], [1.0, 2.5, 6.0, 11.0]  # head_dim 8: 4 frequency pairs
 CASES = [  # (--rope, native rope_parameters besides rope_theta, max_position_embeddings, our scheme + options)
@@ -97,3 +99,8 @@ def test_rope_kind_specs_parse_lists_keys_and_files(llama):
     assert s.rewrite_params == {"short_factor": [1.0] * 4, "long_factor": LONG, "original_max_position_embeddings":
                                 MAXPOS, "factor": 16.0}
     assert parse_rope("proportional:0.25").rewrite == ("proportional", 0.25)
+    for bad, needle in (("longrope:8,long=[1,2,3,4],long_factor=[1,1,1,1]", "long_factor twice"),
+                        ("yarn:4,truncate=maybe", "true or false"), ("longrope:8,long=[1,x]", "in brackets"),
+                        ("llama3:8,original=12.5", "whole number"), ("linear:x", "KIND:FACTOR")):
+        with pytest.raises(UserError, match=re.escape(needle)):
+            parse_rope(bad)

@@ -129,6 +129,8 @@ def parse_rewrite(kind: str, args: str, text: str) -> tuple[float | None, dict]:
                 raise UserError(f"--rope takes one KIND:FACTOR with FACTOR >= 1, e.g. --rope yarn:4 ({SYNTAX}); "
                                 f"got {text!r}")
         elif key in names:
+            if names[key] in params:
+                raise UserError(f"--rope {kind} got {names[key]} twice; give it once ({text!r})")
             params[names[key]] = _value(kind, names[key], raw, text)
         else:
             valid = ", ".join(KEYS[kind]) or "none (only the factor)"
@@ -152,7 +154,7 @@ def rope_parameters(kind: str, number, params: dict, rp: dict, head_dim: int, or
         s = check_factor(kind, number, text, "ntk:4")
         return {**keep, "rope_type": "default", "rope_theta": keep["rope_theta"] * s ** (dim / (dim - 2))}
     if kind == "proportional":
-        p = 1.0 if number is None else number
+        p = float("nan") if number is None else number
         if not 0.0 <= p <= 1.0:
             raise UserError(f"--rope proportional:P takes the fraction P in [0, 1] of frequency pairs that rotate "
                             f"(Gemma 4: proportional:0.25); got {text!r}")
