@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 70 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 83 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -23,6 +23,10 @@ xPos past its float range; Self-Extend window past L_tr and group 0; leaky ReRoP
 with an absolute scheme or a NoPE layer out of range; randomized positions below L_tr, without L_MAX,
 past a learned table; TensorBoard logging without the package (nothing written); three bad --rope
 extension specs; a sweep time budget with parallel workers; the head scale of a run that is not NoPE.
+RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN mscale alone or
+an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
+llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
+unreadable factor file, an mscale alone, an unknown option, proportional on a partial-rotary model.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -625,6 +629,46 @@ def test_rope_extension_specs_are_one_line(case, spec, needles):
     from extrapolab.hf.load import parse_rope
 
     raises(case, lambda: parse_rope(spec), *needles)
+
+
+@pytest.mark.parametrize("case, name, opts, needles", [
+    ("llama3 scaling with low >= high", "rotary-llama3", {"low_freq_factor": 4.0, "high_freq_factor": 1.0},
+     ["0 < low_freq_factor < high_freq_factor", "low_freq_factor=1, high_freq_factor=4"]),
+    ("LongRoPE factor list of the wrong length", "rotary-longrope", {"long_factor": [1.0, 2.0], "head_dim": 8},
+     ["long_factor has 2 entries", "give 4 numbers"]),
+    ("YaRN mscale without mscale_all_dim", "rotary-yarn", {"mscale": 0.707}, ["pass both", "or neither"]),
+    ("YaRN attention factor contradicting mscale", "rotary-yarn",
+     {"factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.5, "attention_factor": 1.0}, ["contradicts", "one or the other"]),
+    ("p-RoPE fraction outside [0, 1]", "rotary-proportional", {"p": 1.5}, ["must be in [0, 1]", "p=0.25"]),
+])
+def test_rope_kind_fields_are_one_line(case, name, opts, needles):
+    raises(case, lambda: build(name, num_heads=2, **opts), *needles)
+
+
+@pytest.mark.parametrize("case, spec, needles", [
+    ("--rope llama3 with low >= high", "llama3:8,low=4,high=1", ["0 < low < high", "llama3:8,low=1,high=4"]),
+    ("--rope longrope list of the wrong length", "longrope:8,long=[1,2,3]", ["long_factor has 3 entries",
+                                                                            "give 4 numbers"]),
+    ("--rope longrope without long factors", "longrope:8", ["needs the long factors", "long=[4 numbers]"]),
+    ("--rope longrope without its extension factor", "longrope:long=[1,2,3,4]", ["longrope:S,long=[...]",
+                                                                                 "attention_factor=F"]),
+    ("--rope longrope with an unreadable file", "longrope:/nonexistent/phi3.json", ["cannot read it as JSON",
+                                                                                    "long_factor"]),
+    ("--rope yarn mscale without mscale_all_dim", "yarn:4,mscale=0.707", ["pass both", "or neither"]),
+    ("--rope kind with an unknown option", "llama3:8,lo=1", ["no option 'lo'", "low, high, original"]),
+    ("--rope proportional on a partial-rotary model", "proportional:0.25", ["partial_rotary_factor=0.5",
+                                                                            "drop --rope proportional"]),
+])
+def test_rope_kind_specs_are_one_line(case, spec, needles):
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    from extrapolab.hf.load import apply_rope
+
+    if "partial-rotary" in case:  # GPT-NeoX / Pythia rotate only rotary_pct of each head
+        cfg = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, rotary_pct=0.5, max_position_embeddings=48)
+    else:
+        cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=48)  # head 8: 4 pairs
+    raises(case, lambda: apply_rope(cfg, spec), *needles)
 
 
 def test_sweep_time_budget_with_workers_is_one_line():

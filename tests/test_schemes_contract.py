@@ -33,6 +33,9 @@ OPTION_VARIANTS = [
     ("smoothed-sandwich", {"fit_window": 50, "fit_start": 0}),
     ("sliding-dilated", {"C": 3}),
     ("rotary", {"base": 500.0}),
+    ("rotary-yarn", {"mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}),  # DeepSeek / gpt-oss variants
+    ("rotary-longrope", {"short_factor": [1.0, 1.1, 1.2, 1.5], "long_factor": [1.0, 2.0, 6.0, 9.0]}),  # d_head 8
+    ("rotary-proportional", {"p": 0.5, "factor": 2.0}),
     ("fire", {"shared": True}),  # FIRE-Shared: one f_θ for every layer, dense rows beyond L built once per forward
     ("dape-alibi", {"kernel": 3}),  # DAPE V2: a 1×3 convolution over keys (future keys enter as zeros)
     ("stick-breaking", {"attend_current": True}),

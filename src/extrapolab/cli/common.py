@@ -45,7 +45,8 @@ def friendly(fn):
 #: the device and precision options every verb that runs a model takes (resolved by
 #: ``extrapolab.train.dist.resolve_device`` and ``train.step.resolve_precision``)
 #: --rope on hf: models (hf/load.py parse_rope)
-ROPE_HELP = ("hf: only: RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S, selfextend:G[,w], "
-             "rerope[:w], rerope-leaky[:w[,k]], logn; join with +, e.g. rerope:512+logn")
+ROPE_HELP = ("hf: only: RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S[,key=value], "
+             "longrope:S,long=[...], proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], logn; "
+             "join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when visible)")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 (auto: bf16 on a GPU that supports it, else fp32)")

@@ -18,21 +18,26 @@ rotary implementation (``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``)
 ``linear`` = position interpolation (Chen et al. 2023, "Extending Context Window of Large
 Language Models via Positional Interpolation", eq. 4: positions x 1/s), ``dynamic`` = dynamic
 NTK (s recomputed from the input length at run time), ``yarn`` = YaRN (Peng et al. 2023, §3.3-3.4:
-ramp over frequency bands, attention factor 0.1 ln s + 1), ``llama3`` (low/high frequency
-factors 1 and 4), and ``ntk`` = static NTK-aware scaling (bloc97 2023: base x s^(d/(d-2))),
-which HF has no rope type for, so it is applied as a new ``rope_theta`` of HF's default RoPE.
+ramp over frequency bands, attention factor 0.1 ln s + 1; DeepSeek's mscale / mscale_all_dim,
+truncate), ``llama3`` (Llama 3.1: low/high frequency factors, 1 and 4 by default), ``longrope``
+(LongRoPE / Phi-3: short and long factor lists), ``proportional`` (p-RoPE / Gemma 4: only the
+fraction P of frequency pairs rotates), and ``ntk`` = static NTK-aware scaling (bloc97 2023: base
+x s^(d/(d-2))), which HF has no rope type for, so it is applied as a new ``rope_theta`` of HF's
+default RoPE. The kinds' ``key=value`` fields and their checks: :mod:`.rope_kinds`.
 
 The extensions HF has no rope type for run in transformers' attention-function registry
 (:mod:`.extend`): ``selfextend:G,w`` (Self-Extend, Jin et al. 2024; w defaults to L_tr/4),
 ``rerope:w`` and ``rerope-leaky:w,k`` (ReRoPE, Su 2023; w defaults to L_tr/8, k to 16) and
 ``logn`` (q x max(1, log(m+1)/log L_tr); ``logn:L`` names L_tr). Parts combine with ``+``: at most
 one rewrite, one two-pass method and ``logn``, e.g. ``--rope rerope:512+logn`` (the ReRoPE patch)
-or ``--rope yarn:2+logn``; a two-pass method with ``dynamic`` is refused (its frequencies change
-with the length). Such a model is loaded with ``attn_implementation="extrapolab"``.
+or ``--rope yarn:2+logn``; a two-pass method with ``dynamic`` or ``longrope`` is refused (their
+frequencies change with the length). Such a model is loaded with ``attn_implementation="extrapolab"``.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +45,7 @@ from pathlib import Path
 import torch
 
 from ..io import UserError
-from . import extend
+from . import extend, rope_kinds
 
 PREFIX = "hf:"
 #: model_type -> how it encodes positions (families the tests build; see module doc for others)
@@ -48,9 +53,8 @@ POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt"
              "gpt_neox": "rope", "llama": "rope", "mistral": "rope", "qwen2": "rope", "qwen3": "rope",
              "gptj": "rope", "phi3": "rope", "gemma": "rope", "gemma2": "rope", "gemma3_text": "rope",
              "bloom": "alibi", "mpt": "alibi"}
-ROPE_KINDS = ("linear", "dynamic", "yarn", "ntk", "llama3")
-ROPE_SYNTAX = ("KIND:FACTOR (KIND in linear, dynamic, yarn, ntk, llama3), selfextend:G[,w], rerope[:w], "
-               "rerope-leaky[:w[,k]], logn[:L_tr], joined by +")
+ROPE_KINDS = rope_kinds.KINDS
+ROPE_SYNTAX = (f"{rope_kinds.SYNTAX}, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], logn[:L_tr], joined by +")
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
 
@@ -72,8 +76,11 @@ class HFModel:
 
 
 def default_out(loaded: "HFModel") -> Path:
-    """runs/hf-<folder name>[-<rope kind><factor>]: where eval, align and erf of hf:PATH write by default."""
+    """runs/hf-<folder name>[-<rope kind><factor>]: where eval, align and erf of hf:PATH write by default
+    (a --rope with lists or a file: its kind and a hash of its text, so the folder name stays short)."""
     tag = "-" + loaded.rope.replace(":", "").replace(",", "_").replace("+", "-") if loaded.rope else ""
+    if not re.fullmatch(r"[\w.=-]{0,64}", tag):
+        tag = f"-{loaded.rope.partition(':')[0]}-{hashlib.sha256(loaded.rope.encode()).hexdigest()[:10]}"
     return Path("runs") / f"hf-{loaded.name}{tag}"
 
 
@@ -133,7 +140,8 @@ class RopeSpec:
     """A parsed ``--rope``: a rope_parameters rewrite, a two-pass method, log-n (each optional)."""
 
     text: str
-    rewrite: tuple[str, float] | None = None  # (kind, factor)
+    rewrite: tuple[str, float | None] | None = None  # (kind, factor; proportional: the fraction p)
+    rewrite_params: dict = field(default_factory=dict)  # its key=value fields, as rope_parameters keys
     method: str | None = None  # selfextend | rerope | rerope-leaky
     params: dict = field(default_factory=dict)  # G, w, k as given (an absent w or k: the default)
     logn: int | None = None  # None off, 0 = the model's L_tr, else the L_tr to use
@@ -158,14 +166,16 @@ def _numbers(kind: str, args: str, n: int, text: str) -> list[float]:
 def parse_rope(spec: str) -> RopeSpec:
     """``--rope`` text -> :class:`RopeSpec`, or a one-line UserError with the syntax."""
     text = str(spec).strip()
-    out: dict = {"rewrite": None, "method": None, "params": {}, "logn": None}
-    for part in text.split("+"):
+    out: dict = {"rewrite": None, "rewrite_params": {}, "method": None, "params": {}, "logn": None}
+    for part in rope_kinds.split_top(text, "+"):
         kind, _, args = part.strip().partition(":")
         if kind in ROPE_KINDS:
-            factor = (_numbers(kind, args, 1, text) or [float("nan")])[0]
-            if out["rewrite"] or not factor >= 1.0:
+            if out["rewrite"]:
                 raise UserError(f"--rope takes one KIND:FACTOR with FACTOR >= 1, e.g. --rope yarn:4; got {text!r}")
-            out["rewrite"] = (kind, factor)
+            factor, fields = rope_kinds.parse_rewrite(kind, args, text)
+            if kind not in ("longrope", "proportional"):  # the others need FACTOR >= 1 (checked again on apply)
+                rope_kinds.check_factor(kind, factor, text, "yarn:4")
+            out["rewrite"], out["rewrite_params"] = (kind, factor), fields
         elif kind in extend.TWOPASS:
             if out["method"]:
                 raise UserError(f"--rope takes one two-pass method; got {text!r}")
@@ -185,9 +195,9 @@ def parse_rope(spec: str) -> RopeSpec:
             out["logn"] = int(L[0]) if L else 0
         else:
             raise UserError(f"--rope takes {ROPE_SYNTAX}; got {text!r}")
-    if out["method"] and out["rewrite"] and out["rewrite"][0] == "dynamic":
-        raise UserError("--rope dynamic changes the frequencies with the length; a two-pass method needs fixed "
-                        f"ones: drop one of them (got {text!r})")
+    if out["method"] and out["rewrite"] and out["rewrite"][0] in ("dynamic", "longrope"):
+        raise UserError(f"--rope {out['rewrite'][0]} changes the frequencies with the length; a two-pass method needs "
+                        f"fixed ones: drop one of them (got {text!r})")
     return RopeSpec(text, **out)
 
 
@@ -202,19 +212,10 @@ def apply_rope(config, spec: str | RopeSpec, original: int | None = None) -> dic
                         "rope_parameters; drop --rope")
     if spec.rewrite is None:
         return None
-    kind, s = spec.rewrite
-    keep = {k: rp[k] for k in ("rope_theta", "partial_rotary_factor") if k in rp}
+    kind, number = spec.rewrite
     orig = int(original) if original else config_train_length(config)
-    if kind == "ntk":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dim = int(head_dim * keep.get("partial_rotary_factor", 1.0))
-        new = {**keep, "rope_type": "default", "rope_theta": keep["rope_theta"] * s ** (dim / (dim - 2))}
-    else:
-        new = {**keep, "rope_type": kind, "factor": s}
-        if kind in ("yarn", "llama3"):
-            new["original_max_position_embeddings"] = orig
-        if kind == "llama3":
-            new.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    new = rope_kinds.rope_parameters(kind, number, spec.rewrite_params, rp, head_dim, orig, spec.text)
     config.rope_parameters = new
     try:
         if hasattr(config, "validate_rope"):

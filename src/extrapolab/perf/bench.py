@@ -43,12 +43,14 @@ from .groups import (attention_only, bench_denormals, bench_generation, bench_lo
 
 DEMO = ModelConfig(vocab_size=4096, layers=4, heads=4, dim=128, scheme=BASE)
 ROUNDS = 9  # paired rounds per row: a median's 95% interval within ±3% on an idle 2-core CPU
-#: --quick: one long length, so its forwards get as many rounds as the train rows (a 4,096-token round of the
-#: 18 schemes takes ~20 s on a 2-core CPU; with 3 rounds its ratios spread ±20%)
+#: --quick: one long length, so its forwards get as many rounds as the train rows (a 4,096-token round of
+#: 18 of these schemes, before the RoPE kinds llama3 / LongRoPE / p-RoPE joined, took ~20 s on a 2-core CPU;
+#: with 3 rounds its ratios spread ±20%)
 QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64, long_repeats=ROUNDS,
              schemes=("sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich", "windowed",
                       "xpos", ("rotary+random", "rotary", {}, 2048), ("alibi+random", "alibi", {}, 2048),
-                      "fox", "hybrid", "nope-headscale", "cope", "fire", "dape-alibi", "stick-breaking"))
+                      "fox", "hybrid", "nope-headscale", "cope", "fire", "dape-alibi", "stick-breaking",
+                      "rotary-llama3", "rotary-longrope", "rotary-proportional"))
 
 
 def preset_settings(name: str) -> dict:

@@ -13,6 +13,9 @@ from . import rotary_pi  # noqa: F401  RoPE context extension: position interpol
 from . import rotary_ntk  # noqa: F401  NTK-aware base
 from . import rotary_dynamic  # noqa: F401  dynamic NTK
 from . import rotary_yarn  # noqa: F401  YaRN
+from . import rotary_llama3  # noqa: F401  Llama 3.1's wavelength-band scaling
+from . import rotary_longrope  # noqa: F401  LongRoPE / Phi-3: short and long factor sets
+from . import rotary_proportional  # noqa: F401  p-RoPE / Gemma 4 "proportional": NoPE on the lowest frequencies
 from . import xpos  # noqa: F401  rotary with a per-pair exponential decay (Sun et al. 2023)
 from . import rotary_selfextend  # noqa: F401  Self-Extend (two passes)
 from . import rotary_rerope  # noqa: F401  ReRoPE (two passes)
