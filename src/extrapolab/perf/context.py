@@ -9,6 +9,7 @@ import torch
 
 from .. import positional
 from ..io import UserError
+from ..model.attention import IMPLS, AttnOptions
 from ..model.gpt import GPT, ModelConfig
 from ..train.step import autocast
 from .timing import provenance
@@ -19,18 +20,29 @@ BASE = "none"
 @dataclass(frozen=True)
 class Spec:
     """One benched scheme: a row label, the registered name and its options; ``positions`` > 0 trains at
-    sorted random positions from [0, positions) drawn each step (Ruoss et al. 2023; train rows only)."""
+    sorted random positions from [0, positions) drawn each step (Ruoss et al. 2023; train rows only); ``impl``
+    the attention implementation its calls ask for (AttnOptions.impl: "auto", or e.g. "sdpa" to time another
+    path of the same scheme beside it, written ``name@impl``)."""
     label: str
     name: str
     params: dict = field(default_factory=dict)
     positions: int = 0
+    impl: str = "auto"
+
+
+def _spec(text: str) -> Spec:
+    """"t5" or "t5@sdpa" (the scheme on that attention implementation) -> Spec."""
+    name, _, impl = text.partition("@")
+    if impl and impl not in IMPLS:
+        raise UserError(f"unknown attention impl {impl!r} in {text!r}; write SCHEME@IMPL with IMPL one of {', '.join(IMPLS)}")
+    return Spec(text, name, impl=impl or "auto")
 
 
 def as_specs(schemes) -> list[Spec]:
-    """Names, Specs or (label, name, params) -> Specs, NoPE first (added when missing)."""
+    """Names (``name`` or ``name@impl``), Specs or (label, name, params) -> Specs, NoPE first (added when missing)."""
     out = []
     for s in schemes:
-        out.append(s if isinstance(s, Spec) else Spec(s, s) if isinstance(s, str) else Spec(*s))
+        out.append(s if isinstance(s, Spec) else _spec(s) if isinstance(s, str) else Spec(*s))
     bad = [s.name for s in out if s.name not in positional.names()]
     if bad:
         raise UserError(f"unknown scheme(s) {', '.join(bad)}; run `extrapolab schemes` for valid names")
@@ -70,4 +82,6 @@ class Context:
 def build_model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
     """The benched model of ``spec`` (seeded, on the bench's device)."""
     torch.manual_seed(seed)
-    return GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params))).to(ctx.device)
+    model = GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params))).to(ctx.device)
+    model.attn_opts = AttnOptions(impl=spec.impl)
+    return model

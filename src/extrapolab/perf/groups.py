@@ -27,7 +27,7 @@ def attention_only(model: GPT, B: int, L: int, grad: bool) -> Callable[[], None]
     qkv = [torch.randn(B, cfg.heads, L, cfg.dim // cfg.heads, generator=g).to(dev).requires_grad_(grad)
            for _ in range(3)]  # q, k, v: [B, H, L, D]
     hidden = torch.randn(B, L, cfg.dim, generator=g).to(dev)  # [B, L, C] the layers' input
-    pos, opts = torch.arange(L, device=dev), AttnOptions(impl="auto", paths=model.attn_opts.paths)
+    pos, opts = torch.arange(L, device=dev), model.attn_opts  # the row's impl, its path counter
 
     def run() -> None:
         with torch.set_grad_enabled(grad):
