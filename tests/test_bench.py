@@ -277,3 +277,19 @@ def test_randomized_positions_rows_train_at_drawn_positions_and_skip_the_long_gr
     assert len({tuple(p) for p in drawn}) > 1 and None in seen  # fresh draws each step; NoPE at 0..L-1
     assert "rotary+random" in res["train"]["16"] and res["train"]["16"]["rotary+random"]["scheme"] == "rotary"
     assert "rotary+random" not in res["long"]["32"] and "rotary+random" not in res["generation"]
+
+
+def test_rows_say_which_path_ran_and_scheme_at_impl_forces_one():
+    """Every row records the attention paths its calls took (the table's "path" column); ``name@impl`` times the
+    same scheme on another implementation beside the automatic one; a bad impl is a one-line error."""
+    res = run_bench(["alibi", "alibi@plain", "t5", "t5@blocked"], lengths_train=(16,), long_lengths=(64,),
+                    model_cfg=TINY, repeats=1, warmup=1, groups=["train", "long"], batch_tokens=32, threads=1,
+                    progress=False)
+    train, long = res["train"]["16"], res["long"]["64"]
+    assert set(train["none"]["paths"]) == {"causal"} and set(train["alibi"]["paths"]) == {"toeplitz"}
+    assert set(train["alibi@plain"]["paths"]) == {"reference"} and train["alibi@plain"]["scheme"] == "alibi"
+    assert set(long["t5@blocked"]["paths"]) == {"toeplitz"} and all(r["kernels"] == [] for r in long.values())
+    assert "| alibi@plain | reference |" in format_table(res)
+    with pytest.raises(UserError, match="SCHEME@IMPL") as err:
+        run_bench(["alibi@fast"], model_cfg=TINY, progress=False)
+    assert "\n" not in str(err.value)
