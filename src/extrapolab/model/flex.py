@@ -144,7 +144,7 @@ class Compiled:
 
         limits = {"recompile_limit": self.limit, "fail_on_recompile_limit_hit": True,
                   "accumulated_recompile_limit": max(4 * self.limit, dcfg.accumulated_recompile_limit)}
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        grad = torch.is_grad_enabled()  # a captured table may need the gradient when q, k, v do not
         key = (str(q.device), q.dtype, q.shape[-1], bool(gather), grad)
         options = flex_tiles.plan(flex_tiles.device_info(q.device), q.dtype, q.shape[-1], gather)
         start = self.rung.get(key, 0)
