@@ -40,7 +40,8 @@ from ..io import UserError
 from ..positional.base import PositionalScheme
 from . import flex
 from .folded import fold_block, folded_attention, token_positions
-from .reference import LogitsSink, dense_attention, scheme_tau
+from .reference import LogitsSink, dense_attention, row_tau, sink_rows
+from .sinks import sink_sdpa
 from .split import split_attention
 from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
 from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
@@ -130,7 +131,7 @@ def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
 
 def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
                 same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32,
-                folded: bool = False, tau_rows: bool = False, split: int | None = None):
+                folded: bool = False, tau_rows: bool = False, split: int | None = None, sinks: bool = False):
     """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
     q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
@@ -138,8 +139,10 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     ``folded``: the scheme's bias has the ALiBi form (``alibi_slopes``) and the positions increase;
     ``tau_rows``: the scheme's temperature varies over query positions; ``split``: for schemes with
     ``toeplitz_rows`` (FIRE), how many of the (increasing) queries lie at positions <= T, whose bias is
-    the distance table. Schemes with positions from content (``has_content``) never take the causal or
-    Toeplitz paths.
+    the distance table; ``sinks``: the layer has attention sinks (model.sinks), which the reference, causal,
+    folded and fallback paths carry and the two-pass, Toeplitz, flex and split paths do not (such calls take
+    the reference path, the folded path for the ALiBi form, or the fallback). Schemes with positions from
+    content (``has_content``) never take the causal or Toeplitz paths.
     """
     _, H, Lq, D = q_shape
     impl = opts.impl
@@ -155,7 +158,11 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
         if scheme.reference_only and not opts.need_probs:  # small blocks skip most masked (future) keys
             return "reference", min(int(opts.block_size), SCORE_BLOCK)
         return "reference", (None if opts.need_probs else int(opts.block_size) if opts.logits_sink else block)
+    if impl == "flex" and sinks:
+        raise UserError("impl='flex' does not carry attention sinks (model.sinks); use impl='auto'")
     if scheme.second_pass() is not None:  # Self-Extend / ReRoPE: near + far pass, merged by log-sum-exp
+        if sinks:  # the passes' merge has no sink column: explicit merged logits with it
+            return "reference", min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "twopass", min(int(opts.block_size), TOEPLITZ_BLOCK)
     content = scheme.has_content
     bias_free = not scheme.has_bias and not scheme.has_weight and not content
@@ -164,8 +171,10 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     a, c = starts
     plain = not dense_bias and a is not None and c is not None and c <= a and not content and not tau_rows
     toeplitz = plain and (is_toeplitz(scheme, allow_weight=True) or (split is not None and split >= Lq))
-    if folded and not dense_bias and (content or tau_rows or not toeplitz):
+    if folded and not dense_bias and (content or tau_rows or not toeplitz or sinks):
         return "folded", fold_block(opts.block_size, blocked)
+    if sinks:  # the Toeplitz, flex and split kernels have no sink column: each block's dense mask with it
+        return "fallback", block
     def take_flex() -> bool:  # asked for, or `auto` where it pays; never with input gradients on the CPU
         if not (impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype))):
             return False
@@ -207,13 +216,17 @@ def attend(
     rotate: bool = True,
     *,
     content: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    ssmax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [B,H,Lq,D], k/v [B,H,Lk,D] (k, v not yet rotated) -> (out [B,H,Lq,D], probs | None).
 
     ``scheme`` is resolved for ``layer`` here (``for_layer``: per-layer hybrids). ``bias`` optionally
     passes a precomputed [H, Lq, Lk] scheme bias, or a :class:`DistanceBias` (one per forward,
     shared by layers); ``rotate=False`` when q, k were already rotated (KV cache). ``content``:
-    (p_q [B, H, Lq], p_k [B, H, Lk]) from ``scheme.content_positions`` (FoX), which such schemes need.
+    (p_q [B, H, Lq], p_k [B, H, Lk]) from ``scheme.content_positions`` (FoX, selective attention), which such
+    schemes need. Model options of the layer (docs/attention.md): ``sinks`` [H], one learned sink logit per
+    head in the softmax denominator (gpt-oss); ``ssmax`` [H], SSMax's s_h (logits times s_h·log n).
     """
     opts = opts or AttnOptions()
     scheme = scheme.for_layer(layer)
@@ -222,21 +235,46 @@ def attend(
     if scheme.has_content and content is None:
         raise UserError(f"scheme {scheme.name!r} computes positions from the layer input; call attend() with "
                         "content=(p_q, p_k) from scheme.content_positions (GPT's blocks do)")
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], scheme, opts)
     if rotate:
         q, k = scheme.rotate(q, k, q_pos, k_pos)
+    Dv = v.shape[-1]
+    if q.shape[-1] != Dv:  # PoPE's complex form: fused kernels take one head size, so v gets zero columns
+        v = F.pad(v, (0, q.shape[-1] - Dv))  # [B, H, Lk, D']
+    out, probs = _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax)
+    return (out if out.shape[-1] == Dv else out[..., :Dv]), probs
+
+
+def check_sinks(sinks: torch.Tensor, heads: int, scheme: PositionalScheme, opts: AttnOptions) -> None:
+    """One-line UserErrors for attention sinks that cannot apply: the wrong shape, a scheme whose weights are not
+    a softmax, or a logits sink (temperature alignment reads softmax rows over keys only)."""
+    if sinks.shape != (heads,):
+        raise UserError(f"attention sinks need one logit per head, shape ({heads},), got {tuple(sinks.shape)}")
+    if scheme.replaces_softmax:
+        raise UserError(f"attention sinks add a column to the softmax, but scheme {scheme.name!r} uses "
+                        f"{scheme.replaces_softmax} instead; drop model.sinks or pick a softmax scheme")
+    if opts.logits_sink is not None:
+        raise UserError("temperature alignment reads softmax rows over the keys, but model.sinks adds a learned sink "
+                        "column to every row; align a model without sinks")
+
+
+def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax):
+    """:func:`attend` after rotation: choose the path and run it (q, k rotated, v of q's head size)."""
     tau = opts.tau(layer)
     base = 1.0 / math.sqrt(q.shape[-1])
     scale = base / tau
     dense = bias if isinstance(bias, torch.Tensor) else None
-    tau_s = scheme_tau(scheme, q_pos, layer)  # [1, H|1, Lq|1] or None
+    tau_s = row_tau(scheme, q_pos, k_pos, layer, ssmax, opts.window)  # [1, H|1, Lq|1] or None
     tau_rows = tau_s is not None and tau_s.shape[-1] > 1
+    srows = sink_rows(sinks, tau_s)  # [1, H, Lq|1] at option tau 1, or None
     slopes = scheme.alibi_slopes(layer) if dense is None else None
     Lq, Lk = q.shape[2], k.shape[2]
     bias_free = not scheme.has_bias and not scheme.has_weight and content is None and opts.window is None
     same = (bias_free or slopes is not None) and Lq == Lk and (q_pos is k_pos or torch.equal(q_pos, k_pos))  # (a device sync: only when it matters)
     starts = _contiguous_starts(bias, q_pos, k_pos) if dense is None else (None, None)
-    folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows) \
-        and _increasing(bias, q_pos) and _increasing(bias, k_pos)
+    folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows
+                                     or sinks is not None) and _increasing(bias, q_pos) and _increasing(bias, k_pos)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     db, split = bias if isinstance(bias, DistanceBias) else None, None
     if dense is None and starts[0] is not None and scheme.toeplitz_rows() is not None:
@@ -244,11 +282,13 @@ def attend(
         split = max(0, min(Lq, math.floor(db.toeplitz_rows(layer)) - starts[0] + 1))  # queries at a.. <= T
     path, block = select_path(q.device.type, scheme, opts, q.shape, Lk, same_pos=same and bias_free,
                               starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype,
-                              folded=folded, tau_rows=tau_rows, split=split)
+                              folded=folded, tau_rows=tau_rows, split=split, sinks=sinks is not None)
     if path == "causal":
         if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
             q = q / tau_s[..., None].to(q.dtype)
         opts.ran(path)
+        if srows is not None:
+            return sink_sdpa(q, k, v, srows / tau, is_causal=True, scale=scale), None
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale), None
     if path == "twopass":  # no bias: a scheme temperature divides q's rows, as on the causal path
         if tau_s is not None:
@@ -261,7 +301,8 @@ def attend(
         rows = None if tau_s is None else tau_s.expand(1, tau_s.shape[1], Lq)  # [1, H|1, Lq]
         opts.ran(path)
         return folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, base_scale=base, scale=scale,
-                                tau_rows=rows, window=opts.window, block=block, same=same), None
+                                tau_rows=rows, window=opts.window, block=block, same=same,
+                                sink_rows=None if srows is None else srows / tau), None
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
         try:
@@ -298,4 +339,4 @@ def attend(
     opts.ran(path)
     return dense_attention(q, k, v, q_pos, k_pos, scheme, layer, tau=tau, window=opts.window, bias=dense,
                            block=block, fused=path == "fallback", need_probs=opts.need_probs,
-                           sink=opts.logits_sink, content=content, tau_s=tau_s)
+                           sink=opts.logits_sink, content=content, tau_s=tau_s, sinks=srows)

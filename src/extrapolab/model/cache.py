@@ -19,7 +19,10 @@ class KVCache:
     window they alias the ring, so copy them if they must outlive the next ``extend``. Under
     autograd (k or v requiring grad) ``extend`` concatenates instead, leaving saved tensors intact.
     Schemes with positions from content (FoX) pass ``content`` [B, H, L] too: ``content[layer]``
-    [B, H, Lc] then holds the cached keys' positions, and ``last_content`` continues them.
+    [B, H, Lc] then holds the cached keys' positions, and ``last_content`` continues them. Attention may
+    update ``content[layer]`` in place between calls (selective attention keeps each key's accumulated
+    selection there): with a window the ring first copies the view it returned onto its other half.
+    Keys may be wider than values (PoPE's 2·d-wide keys).
     """
 
     def __init__(self, layers: int, window: int | None = None) -> None:
@@ -38,10 +41,13 @@ class KVCache:
         c = self.content[layer]
         return None if c is None or c.shape[-1] == 0 else c[..., -1]
 
-    def _storage(self, layer, k, pos, need, content=None):
-        """The layer's (k, v, pos, content) buffers with room for ``need`` slots (allocated / grown here)."""
+    def _storage(self, layer, k, pos, need, content=None, v=None):
+        """The layer's (k, v, pos, content) buffers with room for ``need`` slots (allocated / grown here);
+        v's head size may differ from k's (PoPE caches 2·d-wide keys)."""
         buf, n = self._buf[layer], self._count[layer]
+        Dv = k.shape[3] if v is None else v.shape[3]
         if buf is not None and (buf[0].shape[:2] != k.shape[:2] or buf[0].shape[3] != k.shape[3]
+                                or buf[1].shape[3] != Dv
                                 or buf[0].dtype != k.dtype or buf[0].device != k.device):
             raise ValueError("KV cache reused with another batch size, head layout, dtype or device; "
                              "make a new KVCache")
@@ -50,7 +56,7 @@ class KVCache:
         B, H, _, D = k.shape
         cap = need if self.window is not None else max(need, 256, 2 * (buf[0].shape[2] if buf else 0))
         cb = None if content is None else content.new_empty(B, H, cap)  # [B, H, cap]
-        new = (k.new_empty(B, H, cap, D), k.new_empty(B, H, cap, D), pos.new_empty(cap), cb)  # [B,H,cap,D]
+        new = (k.new_empty(B, H, cap, D), k.new_empty(B, H, cap, Dv), pos.new_empty(cap), cb)  # [B,H,cap,D|Dv]
         if buf is not None:  # grow by doubling, keeping what is stored
             new[0][:, :, :n], new[1][:, :, :n], new[2][:n] = buf[0][:, :, :n], buf[1][:, :, :n], buf[2][:n]
             if cb is not None and buf[3] is not None:
@@ -74,16 +80,20 @@ class KVCache:
             self.extend(layer, k0, v0, p0, c0)
             n = self._count[layer]
         if w is None:
-            kb, vb, pb, cb = self._storage(layer, k, pos, n + L, content)
+            kb, vb, pb, cb = self._storage(layer, k, pos, n + L, content, v)
             kb[:, :, n:n + L], vb[:, :, n:n + L], pb[n:n + L] = k, v, pos
             if content is not None:
                 cb[..., n:n + L] = content
             size, start = n + L, 0
         else:
-            kb, vb, pb, cb = self._storage(layer, k, pos, 2 * w, content)
+            kb, vb, pb, cb = self._storage(layer, k, pos, 2 * w, content, v)
             keep = min(L, w)  # only the newest w incoming tokens can survive
             B, H, _, D = kb.shape
-            k2, v2, p2 = kb.view(B, H, 2, w, D), vb.view(B, H, 2, w, D), pb.view(2, w)  # two halves
+            if cb is not None and 0 < n:  # content may have changed in place (selective attention's state):
+                start = n % w if n > w else 0  # ... which reads slots start..start+size of the 2w ring
+                seen = (start + torch.arange(min(n, w), device=cb.device))  # [size] ring slots read
+                cb[..., (seen + w) % (2 * w)] = cb[..., seen]  # the other copy of each token: equal again
+            k2, v2, p2 = kb.view(B, H, 2, w, D), vb.view(B, H, 2, w, -1), pb.view(2, w)  # two halves
             c2 = None if content is None else cb.view(B, H, 2, w)
             i0, s0 = 0, (n + L - keep) % w  # kept token i0 goes to ring slot s0 (of both halves)
             while i0 < keep:  # at most two contiguous segments

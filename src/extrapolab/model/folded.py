@@ -17,6 +17,8 @@ Order of operations (model/reference.py): the temperature divides the whole logi
 is in the kernel's scale; a per-query (and per-head) tau_m of the scheme divides the row of q',
 [q, 1] / tau_m, so it scales q·k and the bias alike and the dropped row term stays constant.
 Windows and queries after a KV cache take a boolean mask per call, O(rows · keys), never L x L.
+An attention sink (model.sinks, :mod:`.sinks`) is one more column of the softmax, so the dropped row term
+is no longer without effect there: the sink's logit is shifted by it too, s + s_h·(p_m - r)/tau.
 
 Precision: the kernel adds s_h·(p_n - r)·sqrt(d) to q·k in fp32, so its rounding is relative to
 |p_n - r| for the keys next to a query, where softmax needs it most. A whole input takes one
@@ -36,19 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from .sdpa import sdpa
+from .sinks import compute_dtype, sink_sdpa
 
 #: query rows that share one re-centring point at least, and rows per call with a mask (module docstring)
 FOLD_GROUP = 512
 #: re-centring columns of a whole-input call at most (its groups grow beyond FOLD_GROUP rows past 8·512 tokens)
 FOLD_GROUPS = 8
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the kernel multiplies in: autocast's where it is on, else x's own."""
-    kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
 
 
 def _split(x: torch.Tensor, low: torch.dtype | None, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -72,8 +67,9 @@ def _columns(c: torch.Tensor, tq: torch.Tensor, exact_q: bool, low, dtype) -> tu
     return torch.cat([ts[0], ts[0], ts[1]], -1), torch.cat([cs[0], cs[1], cs[0]], -1)
 
 
-def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, scale):
-    """One fused call: queries r0..r1 over keys lo..hi, re-centred in groups of FOLD_GROUP rows."""
+def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, scale, sink_rows=None):
+    """One fused call: queries r0..r1 over keys lo..hi, re-centred in groups of FOLD_GROUP rows; with
+    ``sink_rows`` [1, H, Lq|1] (final units) the attention sink of each row (:mod:`.sinks`)."""
     B, H, _, D = q.shape
     bq, bk = r1 - r0, hi - lo
     G = min(FOLD_GROUPS, max(1, -(-bq // FOLD_GROUP)))
@@ -94,31 +90,40 @@ def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, sc
     qf = torch.cat([qb, qx.expand(B, H, bq, E), qb.new_zeros(B, H, bq, pad)], dim=-1)  # [B, H, bq, D+E+pad]
     kf = torch.cat([k[:, :, lo:hi], kx.expand(B, H, bk, E), k.new_zeros(B, H, bk, pad)], dim=-1)
     vf = F.pad(v[:, :, lo:hi], (0, E + pad))  # [B, H, bk, D+E+pad]: zero columns
+    if sink_rows is not None:  # the kernel's logits are shifted by the dropped row term; so is the sink
+        sr = sink_rows if sink_rows.shape[-1] == 1 else sink_rows[..., r0:r1]  # [1, H, bq|1]
+        shift = (pq[..., r0:r1] - refs[..., grp]) * s  # [B|1, H, bq]: s_h·(p_m - r_g) / base_scale
+        if tau_rows is not None:
+            shift = shift * t
+        sr = sr.to(torch.float64) + shift * scale  # [B|1, H, bq]
+        return sink_sdpa(qf, kf, vf, sr, mask, is_causal=causal, scale=scale)[..., :D]
     o = sdpa(qf, kf, vf, mask, is_causal=causal, scale=scale)
     return o[..., :D]  # [B, H, bq, D]
 
 
 def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float, scale: float,
                      tau_rows: torch.Tensor | None = None, window: int | None = None,
-                     block: int | None = None, same: bool = False) -> torch.Tensor:
+                     block: int | None = None, same: bool = False,
+                     sink_rows: torch.Tensor | None = None) -> torch.Tensor:
     """softmax((q·k·base_scale - s_h·(p_m - p_n)) / tau) v through fused SDPA: q [B,H,Lq,D],
     k/v [B,H,Lk,D] at increasing token positions q_pos [Lq], k_pos [Lk] (queries at or after
     their keys: full sequences, or chunks after a KV cache); slopes [H]; pq [B|1,H|1,Lq],
     pk [B|1,H|1,Lk] the ALiBi-form positions (non-decreasing); ``scale`` = base_scale / tau_layer;
     ``tau_rows`` [B|1,H|1,Lq] a further per-query divisor. ``block``: query rows per call (None:
     one ``is_causal`` call when ``same``, else FOLD_GROUP). ``same``: queries and keys are the same
-    increasing positions. Returns [B, H, Lq, D]."""
+    increasing positions. ``sink_rows`` [1, H, Lq|1]: the attention-sink logit of each row, temperatures
+    applied (model.sinks, :mod:`.sinks`). Returns [B, H, Lq, D]."""
     Lq, Lk = q.shape[2], k.shape[2]
     dt = compute_dtype(q)
     low = dt if dt in (torch.float16, torch.bfloat16) else None
     s = slopes.to(device=q.device, dtype=torch.float64).view(1, -1, 1) / base_scale  # [1, H, 1]
     if same and window is None and not block:  # the whole input in one is_causal call
         return _call(q, k, v, pq, pk, s, r0=0, r1=Lq, lo=0, hi=Lk, mask=None, causal=True,
-                     tau_rows=tau_rows, low=low, scale=scale)
+                     tau_rows=tau_rows, low=low, scale=scale, sink_rows=sink_rows)
     bs = max(1, min(int(block or FOLD_GROUP), Lq))
     if same and window is None and bs == Lq:
         return _call(q, k, v, pq, pk, s, r0=0, r1=Lq, lo=0, hi=Lk, mask=None, causal=True,
-                     tau_rows=tau_rows, low=low, scale=scale)
+                     tau_rows=tau_rows, low=low, scale=scale, sink_rows=sink_rows)
     outs = []
     for r0 in range(0, Lq, bs):
         r1 = min(Lq, r0 + bs)
@@ -131,7 +136,7 @@ def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float
             ok = dist >= 0
             mask = (ok if window is None else ok & (dist < window))[None, None]  # [1, 1, bq, bk]
         outs.append(_call(q, k, v, pq, pk, s, r0=r0, r1=r1, lo=lo, hi=hi, mask=mask, causal=False,
-                          tau_rows=tau_rows, low=low, scale=scale))
+                          tau_rows=tau_rows, low=low, scale=scale, sink_rows=sink_rows))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

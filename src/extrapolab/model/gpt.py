@@ -19,6 +19,7 @@ from torch import nn
 from .. import positional
 from ..positional.base import PositionalScheme
 from .attention import AttnOptions, attend
+from .attn_extras import AttnExtras
 from .cache import KVCache  # (also importable from here, as before the split)
 from .tables import DistanceBias, is_toeplitz
 
@@ -49,6 +50,15 @@ class ModelConfig:
     #: a prefix gives the same outputs) or "sequence" (every position after ceil(log_C T) levels of
     #: the whole input, as the thesis' nanoGPT model; training then sees one depth only)
     depth: str = "position"
+    #: attention options any scheme combines with (model/attn_extras.py, docs/attention.md "Model options"):
+    #: a learned sink logit per layer and head in the softmax denominator (gpt-oss)
+    sinks: bool = False
+    #: SSMax (Nakanishi 2025): logits times s_h·log n (n = keys seen), s learned per layer and head
+    ssmax: bool = False
+    #: QK-norm: q and k RMS-normalised per head with learned scales, before the scheme rotates them
+    qk_norm: bool = False
+    #: output gate (Qiu et al. 2025): the attention output times σ(x W) per head and dimension
+    gate: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +102,9 @@ class Block(nn.Module):
             nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
         )
         self.drop = nn.Dropout(cfg.dropout)
+        self.extras = AttnExtras(heads=cfg.heads, head_dim=cfg.dim // cfg.heads, dim=cfg.dim,
+                                 train_length=cfg.train_length, sinks=cfg.sinks, ssmax=cfg.ssmax,
+                                 qk_norm=cfg.qk_norm, gate=cfg.gate)
 
     def forward(self, x, pos, scheme, opts, bias=None, cache: KVCache | None = None):
         B, L, C = x.shape
@@ -99,18 +112,20 @@ class Block(nn.Module):
         h = self.ln1(x)  # [B, L, C] the attention input
         qkv = self.qkv(h).view(B, L, 3, self.heads, C // self.heads)  # [B, L, 3, H, D]
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
+        q, k = self.extras.normalize(q, k)  # QK-norm (model.qk_norm), before the rotation
+        ex = self.extras.attend_kwargs()  # sinks, SSMax (model.sinks, model.ssmax)
         p = None  # positions from content (FoX), continued from the cache's last key
         if scheme.has_content:
             p = scheme.content_positions(h, self.index, None if cache is None else cache.last_content(self.index))
         if cache is None:
             out, probs = attend(q, k, v, pos, pos, scheme, self.index, opts, bias,
-                                content=None if p is None else (p, p))
+                                content=None if p is None else (p, p), **ex)
         else:
             q, k = scheme.rotate(q, k, pos, pos)  # cache rotated keys at their absolute positions
             k, v, kpos = cache.extend(self.index, k, v, pos, p)
             out, probs = attend(q, k, v, pos, kpos, scheme, self.index, opts, bias, rotate=False,
-                                content=None if p is None else (p, cache.content[self.index]))
-        y = self.proj(out.transpose(1, 2).reshape(B, L, C))  # [B, L, C]
+                                content=None if p is None else (p, cache.content[self.index]), **ex)
+        y = self.proj(self.extras.gated(out.transpose(1, 2).reshape(B, L, C), h))  # [B, L, C]; gate: model.gate
         x = x + self.drop(y)
         x = x + self.drop(self.mlp(self.ln2(x)))
         return x, probs

@@ -37,6 +37,8 @@ from . import cope  # noqa: F401  score-level hook: contextual positions
 from . import fire  # noqa: F401  learned functional bias, progressive interpolation
 from . import stickbreaking  # noqa: F401  normalize hook: stick-breaking weights instead of softmax
 from . import dape  # noqa: F401  score hook: an MLP (V2: a convolution) of every head's score and bias
+from . import pope  # noqa: F401  polar coordinates: magnitudes from content, phases from position
+from . import selective  # noqa: F401  accumulate hook: tokens mask earlier tokens for later queries
 
 __all__ = [
     "PositionalScheme", "RelativeBias", "SchemeError", "ScoreBlock", "causal_distance",

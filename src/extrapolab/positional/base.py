@@ -4,18 +4,24 @@ A scheme is an ``nn.Module`` whose hooks are all no-ops by default; attention
 (``model/attention.py``) asks for each one at its place in the one order of operations:
 
 * ``embed(positions, dim)``      -> [L, dim] added to the token embeddings (absolute schemes), or None
-* ``rotate(q, k, q_pos, k_pos)`` -> (q, k) rotated per position (rotary), identity by default
+* ``rotate(q, k, q_pos, k_pos)`` -> (q, k) rotated per position (rotary), identity by default; it may
+                                    change their head size (PoPE: 2·d), attention then pads v to it
 * ``bias(q_pos, k_pos, layer)``  -> [H, Lq, Lk] additive bias on the *scaled* logits
                                     q·k/sqrt(d_head), ``-inf`` where masked, or None
 * ``alibi_slopes(layer)``        -> [H] when the whole bias has the ALiBi form -slope_h·(p_m - p_n),
                                     p the token positions (ALiBi) or the content positions below
 * ``content_positions(x, layer, past)`` -> p [B, H, L] from the layer's attention input x (FoX's
-                                    forget gate); ``past`` [B, H] continues a KV cache
+                                    forget gate); ``past`` [B, H] continues a KV cache. More generally the
+                                    per-token values a ``has_content`` scheme keeps beside each key (the
+                                    KV cache stores them): selective attention's accumulated selection
 * ``temperature(q_pos, layer)``  -> tau [H|1, Lq|1] dividing the whole logit (per head, per query),
                                     times ``AttnOptions.temperature``; or None
 * ``scores(logits, block)``      -> logits of a query block, seeing whole rows and all heads
                                     (CoPE, DAPE); reference path only
 * ``normalize(logits, block)``   -> attention weights replacing softmax (stick-breaking), or None
+* ``accumulate(logits, block)``  -> S [B, bq, bk] >= 0: how much each query masks each key for every later
+                                    query (selective attention); the reference path subtracts the running
+                                    sum F from every head's logits and keeps F per key; or None
 * ``for_layer(layer)``           -> the scheme a layer uses (per-layer hybrids); ``self`` by default
 * ``toeplitz_rows()``            -> [layers|1] position T_l up to which every query's bias is the distance
                                     table ``bias_from_distance(m - n)`` (FIRE: queries at m <= L), or None
@@ -57,7 +63,9 @@ class ScoreBlock:
     kernel; every entry finite), ``bias`` the scheme's additive term [H|1, bq, bk] with 0 where not
     visible (None without a bias), ``visible`` [bq, bk] the causal/window mask (True = visible),
     ``layer`` the layer index. Keys beyond ``visible`` are future or out-of-window tokens: a hook must
-    not read them (the contract tests check that a prefix gives the same output as the whole)."""
+    not read them (the contract tests check that a prefix gives the same output as the whole). ``added``
+    [B, bk] is set by the reference path for an ``accumulate`` scheme: the block's selection summed over its
+    rows, which the keys' state gains after the block."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -67,6 +75,7 @@ class ScoreBlock:
     bias: torch.Tensor | None
     visible: torch.Tensor
     layer: int
+    added: torch.Tensor | None = None
 
 
 class PositionalScheme(nn.Module):
@@ -85,7 +94,8 @@ class PositionalScheme(nn.Module):
     layer_dependent: ClassVar[bool] = False
     #: q·k is multiplied by a positional kernel (KERPLE wht variants)
     has_weight: ClassVar[bool] = False
-    #: ``content_positions`` returns positions computed from the layer input (FoX)
+    #: ``content_positions`` returns per-token values kept beside each key: positions computed from the layer
+    #: input (FoX, with ``alibi_slopes``), or the state of ``accumulate`` (selective attention)
     has_content: ClassVar[bool] = False
     #: the bias is 0 wherever it is finite (a pure mask: windowed attention): fused kernels need only the mask
     mask_only: ClassVar[bool] = False
@@ -123,6 +133,8 @@ class PositionalScheme(nn.Module):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) at their positions, [B, H, Lq|Lk, D'] with D' the head size attention scales by (1/sqrt(D')):
+        D for a rotation, 2·D for PoPE's complex form (attention pads v with zeros to D' for fused kernels)."""
         return q, k
 
     def bias(
@@ -206,10 +218,23 @@ class PositionalScheme(nn.Module):
         (stick-breaking); None keeps softmax. Weights of masked keys must be 0."""
         return None
 
+    def accumulate(self, logits: torch.Tensor, block: ScoreBlock) -> torch.Tensor | None:
+        """Selection S [B, bq, bk] >= 0 (0 where not visible) from a block's logits [B, H, bq, bk] after the
+        score hook: query row r masks key c by S[:, r, c] for every LATER query (selective attention,
+        Leviathan et al. 2025). The reference path keeps F[n] = Σ S[k, n] over the queries k seen so far per
+        key (in ``content``, so the KV cache carries it), subtracts F from every head's logits and adds this
+        block's S after it. Only ``reference_only`` and ``has_content`` schemes override it; None: no selection."""
+        return None
+
     # ---- metadata ----------------------------------------------------------------------
     @property
     def has_bias(self) -> bool:
         return self.kind == "bias"
+
+    @property
+    def accumulates(self) -> bool:
+        """The scheme masks keys for later queries (``accumulate``; selective attention)."""
+        return type(self).accumulate is not PositionalScheme.accumulate
 
     @property
     def has_flex_bias(self) -> bool:
