@@ -259,7 +259,7 @@ def regular_scheme(cfg: RunConfig, overrides: list[str] | None = None) -> None:
 def validate(cfg: RunConfig) -> None:
     """Cheap checks before any data is prepared or a model trained (one-line errors)."""
     from .model.gpt import build_scheme
-    from .model.regular_lm import check_depth
+    from .model.regular_lm import check_attention_options, check_depth
 
     m = cfg.model
     for name in ("layers", "heads", "dim", "train_length", "vocab_size"):
@@ -274,6 +274,7 @@ def validate(cfg: RunConfig) -> None:
                           "e.g. --set model.C=8 --set model.K=1")
     try:
         check_depth(m.depth)
+        check_attention_options(m)
     except UserError as e:
         raise ConfigError(str(e)) from None
     for name in ("steps", "batch_size", "grad_accum"):

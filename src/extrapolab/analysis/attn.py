@@ -4,9 +4,11 @@ One forward pass (any attention path) records each layer's fused q/k/v projectio
 forward hook on ``Block.qkv`` (and the layer's attention input, ``Block.ln1``, where a layer's
 scheme computes positions from it: FoX). Rows of the attention matrix are then recomputed for
 chosen queries by the model's own reference computation (``model.reference.probabilities``: the
-layer's scheme, rotate -> scale -> kernel -> bias -> positions from content -> mask -> score hook
--> temperatures -> softmax or the scheme's normalisation, docs/attention.md), so memory is
-O(H · rows · L) per step and there is no second copy of the logit computation.
+layer's QK-norm, scheme, rotate -> scale -> kernel -> bias -> positions from content -> mask -> score hook
+-> selection -> temperatures (SSMax's too) -> softmax with the layer's attention sinks or the scheme's
+normalisation, docs/attention.md), so memory is O(H · rows · L) per step and there is no second copy of the
+logit computation. A scheme that accumulates a selection (selective attention) streams every query up to the
+last row, 64 at a time.
 """
 from __future__ import annotations
 
@@ -78,8 +80,14 @@ def attention_rows(
     H = model.cfg.heads
     D = C3 // 3 // H
     q, k, _ = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
-    q = q[:, :, rows]  # [B, H, n, D]
-    qpos = positions[rows]
+    extras = getattr(model.blocks[layer], "extras", None)  # the layer's attention options (model/attn_extras.py)
+    kw = {} if extras is None else extras.attend_kwargs()  # sinks, SSMax
+    if extras is not None:
+        q, k = extras.normalize(q, k)  # QK-norm, before the rotation as in the block
+    every = scheme.accumulates  # selective attention: each row needs the queries before it
+    if not every:
+        q = q[:, :, rows]  # [B, H, n, D]
+    qpos = positions if every else positions[rows]
     q, k = scheme.rotate(q, k, qpos, positions)
     content = None
     if scheme.has_content:
@@ -87,9 +95,9 @@ def attention_rows(
             raise UserError(f"layer {layer}'s scheme {scheme.name!r} computes positions from its input; "
                             "pass what capture_qkv returned (it records that input)")
         p = scheme.content_positions(hidden, layer)  # [B, H, L]
-        content = (p[..., rows], p)
-    return probabilities(q, k, qpos, positions, scheme, layer, opts.window, opts.tau(layer),
-                         content=content).float()  # [B, H, n, L]
+        content = (p, p) if every else (p[..., rows], p)
+    return probabilities(q, k, qpos, positions, scheme, layer, opts.window, opts.tau(layer), content=content,
+                         rows=rows if every else None, **kw).float()  # [B, H, n, L]
 
 
 def iter_row_blocks(L: int, rows: torch.Tensor | None = None, block: int = 256):

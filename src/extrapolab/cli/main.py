@@ -166,7 +166,7 @@ def report(
 @app.command()
 @friendly
 def bench(
-    quick: bool = typer.Option(False, "--quick", help="NoPE + 17 schemes (the 2023 zoo and the newer ones, randomized positions as rotary+random, alibi+random), L_tr 128/512, one long length (4096)"),
+    quick: bool = typer.Option(False, "--quick", help="NoPE + the schemes of perf.bench.QUICK (the 2023 zoo, the newer ones, the RoPE kinds, randomized positions as rotary+random, alibi+random, the attention options as rotary+sinks, alibi+sinks, rotary+ssmax, rotary+qk-norm, rotary+gate), L_tr 128/512, one long length (4096)"),
     preset: Optional[str] = typer.Option(None, "--preset", help="time at a demo preset's shape and schemes, e.g. "
                                          "gpu-quick: L_tr and 4x L_tr train steps, 16x and 64x L_tr forwards"),
     schemes_: Optional[str] = typer.Option(None, "--schemes", help="comma-separated scheme names"),

@@ -161,8 +161,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     if impl == "flex" and sinks:
         raise UserError("impl='flex' does not carry attention sinks (model.sinks); use impl='auto'")
     if scheme.second_pass() is not None:  # Self-Extend / ReRoPE: near + far pass, merged by log-sum-exp
-        if sinks:  # the passes' merge has no sink column: explicit merged logits with it
-            return "reference", min(int(opts.block_size), TOEPLITZ_BLOCK)
+        if sinks:  # the passes' merge has no sink column: explicit merged logits with it, in small blocks
+            return "reference", min(int(opts.block_size), SCORE_BLOCK)
         return "twopass", min(int(opts.block_size), TOEPLITZ_BLOCK)
     content = scheme.has_content
     bias_free = not scheme.has_bias and not scheme.has_weight and not content

@@ -21,10 +21,14 @@ options"): ``model.sinks``, ``model.ssmax``, ``model.qk_norm``, ``model.gate``. 
   Qwen3, Gemma 3 and OLMo 2 do (transformers' ``Qwen3Attention.forward``: ``q_norm`` then
   ``apply_rotary_pos_emb``): a rotation keeps the norm, so the two orders differ only in where w acts, and
   before it the scheme's own scaling (YaRN's attention factor, xPos, log-n) still applies on top.
-* **Output gate** (Qiu et al. 2025, "Gated Attention for Large Language Models", arXiv 2505.06708, §2.2 eq. 5,
-  the G1 position, elementwise and head-specific, sigmoid, as Qwen3-Next ships it): Y' = Y ⊙ σ(X W_θ) with X
-  the layer's attention input (after the pre-norm), W_θ [C, C] without bias (one gate per head and
-  dimension), Y the attention output of every head before the output projection.
+* **Output gate** (Qiu et al. 2025, "Gated Attention for Large Language Models", arXiv 2505.06708: the gate at
+  position G1, after SDPA, elementwise and head-specific, sigmoid, as Qwen3-Next ships it): Y' = Y ⊙ σ(X W_θ)
+  with X the layer's attention input (after the pre-norm), W_θ [C, C] (one gate per head and dimension), Y the
+  attention output of every head before the output projection. Read for this file: the authors' code
+  (qiuzh20/gated_attention ``modeling_qwen3.py``, ``elementwise_attn_output_gate``: the gate is a second half of
+  q_proj per head, ``attn_output * sigmoid(gate_score)`` before o_proj; its QK-norm, too, is Qwen3's RMSNorm
+  before the rotation) and transformers' ``Qwen3NextAttention``. W_θ has no bias, as the paper's X W_θ and
+  Qwen3-Next (``attention_bias`` false); the headwise variant (one gate per head) is not here.
 """
 from __future__ import annotations
 
@@ -32,6 +36,18 @@ import math
 
 import torch
 from torch import nn
+
+#: the options as ``extrapolab schemes`` lists them: model field -> (what it does, paper)
+OPTIONS = {
+    "sinks": ("a learned sink logit s_h per layer and head in the softmax denominator (no value)",
+              "gpt-oss (OpenAI 2025), transformers' GptOssAttention"),
+    "ssmax": ("logits times s_h·log n (n = keys the query sees), s learned per layer and head",
+              "Nakanishi 2025 (Scalable-Softmax), arXiv 2501.19399 eq. 2"),
+    "qk_norm": ("q, k RMS-normalised per head (sqrt(d)·x/|x|) times learned scales, before the rotation",
+                "Henry et al. 2020 (QKNorm); Qwen3 / Gemma 3 / OLMo 2 q_norm, k_norm"),
+    "gate": ("the attention output times σ(x W) per head and dimension, before the output projection",
+             "Qiu et al. 2025 (Gated Attention), arXiv 2505.06708: position G1, elementwise"),
+}
 
 #: eps of the QK RMS normalisation (Qwen3's ``rms_norm_eps``)
 QK_EPS = 1e-6

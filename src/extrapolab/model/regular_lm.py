@@ -101,6 +101,15 @@ def check_depth(depth: str) -> None:
         raise UserError(f"model.depth must be position or sequence (RegularGPT's readout), got {depth!r}")
 
 
+def check_attention_options(cfg: ModelConfig) -> None:
+    """The attention options of our GPT (model.sinks, ssmax, qk_norm, gate) act in its blocks; RegularGPT's
+    eq. 6.1 attention takes none of them: a one-line UserError naming the one set."""
+    on = [n for n in ("sinks", "ssmax", "qk_norm", "gate") if getattr(cfg, n, False)]
+    if cfg.arch == "regulargpt" and on:
+        raise UserError(f"model.arch=regulargpt attends with eq. 6.1 and takes no attention options; drop "
+                        f"{', '.join('model.' + n for n in on)} or use model.arch=gpt")
+
+
 class SlidingBlock(Block):
     """One sub-layer k of the thickened layer: pre-LN sliding-dilated attention + GELU MLP."""
 
@@ -131,6 +140,7 @@ class RegularLM(GPT):
 
     def __init__(self, cfg: ModelConfig) -> None:
         check_depth(cfg.depth)
+        check_attention_options(replace(cfg, arch="regulargpt"))
         cfg = replace(cfg, arch="regulargpt", scheme="sliding-dilated", scheme_params={}, layers=cfg.K)
         super().__init__(cfg)  # build_scheme -> SlidingDilated(C, K), raises SchemeError on bad C/K
         depth = cfg.K * num_levels(cfg.train_length, cfg.C)  # sub-layers applied at L_tr

@@ -50,7 +50,14 @@ QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64, long
              schemes=("sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich", "windowed",
                       "xpos", ("rotary+random", "rotary", {}, 2048), ("alibi+random", "alibi", {}, 2048),
                       "fox", "hybrid", "nope-headscale", "cope", "fire", "dape-alibi", "stick-breaking",
-                      "rotary-llama3", "rotary-longrope", "rotary-proportional"))
+                      "rotary-llama3", "rotary-longrope", "rotary-proportional",
+                      # attention options (model.*) on RoPE, ALiBi's sinks on the folded path; PoPE, selective
+                      Spec("rotary+sinks", "rotary", model={"sinks": True}),
+                      Spec("alibi+sinks", "alibi", model={"sinks": True}),
+                      Spec("rotary+ssmax", "rotary", model={"ssmax": True}),
+                      Spec("rotary+qk-norm", "rotary", model={"qk_norm": True}),
+                      Spec("rotary+gate", "rotary", model={"gate": True}),
+                      "pope", "selective"))
 
 
 def preset_settings(name: str) -> dict:
@@ -63,7 +70,9 @@ def preset_settings(name: str) -> dict:
     L = cfg.model.train_length
     model = replace(ModelConfig(**{k: v for k, v in cfg.model.to_dict().items() if k in ModelConfig.__dataclass_fields__}),
                     vocab_size=int(cfg.data.vocab_size), scheme=BASE, dropout=0.0)
-    schemes = [(s, s, {}) if isinstance(s, str) else (s.get("label") or s["name"], s["name"], dict(s.get("params") or {}))
+    schemes = [(s, s, {}) if isinstance(s, str) else s if isinstance(s, (tuple, Spec)) else
+               Spec(s.get("label") or s["name"], s["name"], dict(s.get("params") or {}),
+                    model=dict(s.get("model") or {}))
                for s in (raw.get("sweep") or {}).get("schemes", QUICK["schemes"])]
     return {"model_cfg": model, "schemes": schemes, "lengths_train": (L, 4 * L), "long_lengths": (16 * L, 64 * L),
             "batch": cfg.train.batch_size, "gen_window": L}

@@ -22,12 +22,14 @@ class Spec:
     """One benched scheme: a row label, the registered name and its options; ``positions`` > 0 trains at
     sorted random positions from [0, positions) drawn each step (Ruoss et al. 2023; train rows only); ``impl``
     the attention implementation its calls ask for (AttnOptions.impl: "auto", or e.g. "sdpa" to time another
-    path of the same scheme beside it, written ``name@impl``)."""
+    path of the same scheme beside it, written ``name@impl``); ``model``: attention options of the row
+    (ModelConfig fields, e.g. ``{"sinks": True}``: docs/attention.md, "Model options")."""
     label: str
     name: str
     params: dict = field(default_factory=dict)
     positions: int = 0
     impl: str = "auto"
+    model: dict = field(default_factory=dict)
 
 
 def _spec(text: str) -> Spec:
@@ -46,6 +48,11 @@ def as_specs(schemes) -> list[Spec]:
     bad = [s.name for s in out if s.name not in positional.names()]
     if bad:
         raise UserError(f"unknown scheme(s) {', '.join(bad)}; run `extrapolab schemes` for valid names")
+    fixed = {"scheme", "scheme_params", "vocab_size", "layers", "heads", "dim", "train_length"}
+    odd = sorted({k for s in out for k in s.model if k not in ModelConfig.__dataclass_fields__ or k in fixed})
+    if odd:
+        raise UserError(f"bench model option(s) {', '.join(odd)} are not model options a row may set; use e.g. "
+                        "sinks, ssmax, qk_norm or gate")
     return [Spec(BASE, BASE)] + [s for s in out if s.label != BASE]
 
 
@@ -82,6 +89,6 @@ class Context:
 def build_model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
     """The benched model of ``spec`` (seeded, on the bench's device)."""
     torch.manual_seed(seed)
-    model = GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params))).to(ctx.device)
+    model = GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params), **spec.model)).to(ctx.device)
     model.attn_opts = AttnOptions(impl=spec.impl)
     return model

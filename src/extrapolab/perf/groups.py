@@ -36,8 +36,8 @@ def attention_only(model: GPT, B: int, L: int, grad: bool) -> Callable[[], None]
             for i in range(cfg.layers):
                 s = model.scheme.for_layer(i)
                 p = s.content_positions(hidden, i) if s.has_content else None
-                total = total + attend(*qkv, pos, pos, s, i, opts, bias,
-                                       content=None if p is None else (p, p))[0].sum()
+                total = total + attend(*qkv, pos, pos, s, i, opts, bias, content=None if p is None else (p, p),
+                                       **model.blocks[i].extras.attend_kwargs())[0].sum()  # sinks, SSMax
             if grad:
                 total.backward()
     return run
@@ -130,7 +130,8 @@ def bench_train(ctx: Context) -> dict:
         for s in ctx.specs:
             with PeakMemory(ctx.device) as mem:  # one more step, untimed
                 jobs[(s.label, parts[0])]()
-            rows[s.label] = {"scheme": s.name, "batch": B, **prov, "peak_mib": mem.mib,
+            rows[s.label] = {"scheme": s.name, **({"model": dict(s.model)} if s.model else {}), "batch": B, **prov,
+                             "peak_mib": mem.mib,
                              "params": sum(p.numel() for p in models[s.label].parameters()),
                              **_measured(times, beside, s.label, parts), **seen[s.label]}
             why = unfused_reason(models[s.label])

@@ -14,6 +14,7 @@ from .timing import TOLERANCE, fmt_ratio
 #: the speed goals of the cost table: train step / NoPE at L_tr = 512, 2 threads, >= 7 rounds
 GOAL_L, GOAL_THREADS, GOAL_ROUNDS = 512, 2, 7
 GOAL_LIMITS = {"parameter-free and rotary": 1.10, "T5 and KERPLE": 1.20, "learned temperature": 1.10,
+               "attention options (sinks, SSMax, QK-norm, gate)": 1.10,
                "positions from content": 1.30, "Toeplitz up to L (FIRE)": 1.30, "score-level (reference path)": 3.0}
 #: long-context forward goals: group -> (L, limit on forward / NoPE)
 LONG_GOALS = {"positions from content": (4096, 1.5), "Toeplitz up to L (FIRE)": (4096, 1.5)}
@@ -23,8 +24,16 @@ def _ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
-def goal_group(name: str) -> str | None:
-    """Which goal a registered scheme falls under (None: no goal, e.g. learned APE, NoPE itself)."""
+#: the model options with a goal of their own (on a scheme of the parameter-free and rotary group)
+OPTION_GOALS = ("sinks", "ssmax", "qk_norm", "gate")
+
+
+def goal_group(name: str, model: dict | None = None) -> str | None:
+    """Which goal a registered scheme falls under (None: no goal, e.g. learned APE, NoPE itself); with
+    attention options (``model``: sinks, SSMax, QK-norm, gate) on a parameter-free or rotary scheme (or NoPE),
+    their own group."""
+    if any((model or {}).get(o) for o in OPTION_GOALS) and (name == "none" or goal_group(name) == "parameter-free and rotary"):
+        return "attention options (sinks, SSMax, QK-norm, gate)"
     if name == "none" or name not in positional.names():
         return None
     if name == "t5" or name.startswith("kerple"):
@@ -61,7 +70,7 @@ def check_goals(result: dict) -> list[str]:
         cells, ok = [], True
         for label, r in rows.items():
             ratio = r.get("step_s_ratio")
-            if ratio is None or goal_group(r.get("scheme", label)) != group:
+            if ratio is None or goal_group(r.get("scheme", label), r.get("model")) != group:
                 continue
             ok &= _cell(cells, label, ratio, limit)
         if cells:

@@ -35,3 +35,11 @@ def print_scheme_table(rows: list[dict]) -> None:
         opts = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "-"
         t.add_row(r["name"], r["kind"], str(r["params@H=8"]), opts, r["paper"])
     Console(width=200).print(t)
+    from ..model.attn_extras import OPTIONS
+
+    o = Table(title=f"{len(OPTIONS)} attention options any scheme combines with (--set model.NAME=true)")
+    for col in ("name", "what", "paper"):
+        o.add_column(col, overflow="fold")
+    for name, (what, paper) in OPTIONS.items():
+        o.add_row(name, what, paper)
+    Console(width=200).print(o)

@@ -22,11 +22,18 @@ from ..train.placement import run_placement
 WARMUP = 1  # rounds (sweep.cost_rounds, 7 by default) are one step per scheme each: seconds at demo size
 
 
+def attention_options(model: dict) -> dict:
+    """The attention options (model.sinks, ssmax, qk_norm, gate) among a sweep entry's model overrides: the
+    bench times each entry with them."""
+    return {k: v for k, v in (model or {}).items() if k in ("sinks", "ssmax", "qk_norm", "gate") and v}
+
+
 def bench_settings(base: C.RunConfig, vocab_size: int, schemes, rounds: int) -> dict:
     """What a stored bench pass must match to be reused on resume."""
     model = replace(ModelConfig(**{k: v for k, v in asdict(base.model).items() if k in ModelConfig.__dataclass_fields__}),
                     vocab_size=int(vocab_size))
-    specs = [(s.label, s.name, dict(s.params)) for s in schemes]
+    specs = [(s.label, s.name, dict(s.params)) + ((0, "auto", opts) if (opts := attention_options(s.model)) else ())
+             for s in schemes]
     place = run_placement(base.train)
     return {"model": asdict(model), "batch": base.train.batch_size, "L": base.model.train_length,
             "schemes": specs, "rounds": int(rounds), "device": str(place.device), "precision": place.precision}
