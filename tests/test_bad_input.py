@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 83 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 93 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -27,6 +27,10 @@ RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN
 an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
 unreadable factor file, an mscale alone, an unknown option, proportional on a partial-rotary model.
+Attention options and their schemes (10): sinks with stick-breaking, with impl=flex, with the temperature
+alignment; model.sinks not a boolean; RegularGPT with an attention option; PoPE with base <= 1 and with a
+head size it was not built for; selective attention on a scheme with positions from content and with a head
+out of range; a bench row setting a model field that is not an option.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -643,6 +647,43 @@ def test_rope_extension_specs_are_one_line(case, spec, needles):
 ])
 def test_rope_kind_fields_are_one_line(case, name, opts, needles):
     raises(case, lambda: build(name, num_heads=2, **opts), *needles)
+
+
+def _sinks_case(what: str):
+    from extrapolab.align.temperature import GPTTarget, SoftmaxStats
+    from extrapolab.model.attention import AttnOptions
+    from extrapolab.model.gpt import GPT, ModelConfig
+
+    m = GPT(ModelConfig(vocab_size=20, layers=1, heads=2, dim=8, scheme="stick-breaking" if what == "sb" else "alibi",
+                        train_length=8, sinks=True))
+    idx = torch.zeros(1, 8, dtype=torch.long)
+    if what == "align":
+        target = GPTTarget(m)
+        with target.scope(1.0, SoftmaxStats(1, [1.0])):
+            return target.forward(idx)
+    return m(idx, opts=AttnOptions(impl="flex" if what == "flex" else "auto"))
+
+
+@pytest.mark.parametrize("case, fn, needles", [
+    ("attention sinks with stick-breaking", lambda: _sinks_case("sb"), ["stick-breaking", "drop model.sinks"]),
+    ("attention sinks with impl=flex", lambda: _sinks_case("flex"), ["does not carry attention sinks", "impl='auto'"]),
+    ("attention sinks with the temperature alignment", lambda: _sinks_case("align"), ["align a model without sinks"]),
+    ("model.sinks not a boolean", lambda: C.resolve(None, ["model.sinks=maybe"]), ["model.sinks must be true/false"]),
+    ("RegularGPT with an attention option", lambda: C.resolve(None, ["model.arch=regulargpt", "model.ssmax=true"]),
+     ["takes no attention options", "drop model.ssmax"]),
+    ("PoPE base <= 1", lambda: build("pope", num_heads=2, base=1.0), ["base must be > 1", "base=10000"]),
+    ("PoPE on another head size", lambda: build("pope", num_heads=2, head_dim=8).rotate(
+        torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.arange(3), torch.arange(3)),
+     ["built for head_dim=8", "model.dim / model.heads"]),
+    ("selective attention on positions from content", lambda: build("selective", num_heads=2, base="fox"),
+     ["base='fox'", "e.g. rotary, none or alibi"]),
+    ("selective attention head out of range", lambda: build("selective", num_heads=2, head=2), ["one of 0..1"]),
+    ("bench row with a model field that is not an option",
+     lambda: __import__("extrapolab.perf.context", fromlist=["as_specs"]).as_specs(
+         [("x", "rotary", {}, 0, {"layers": 2})]), ["not model options a row may set", "sinks, ssmax"]),
+])
+def test_attention_options_are_one_line(case, fn, needles):
+    raises(case, fn, *needles)
 
 
 @pytest.mark.parametrize("case, spec, needles", [

@@ -58,7 +58,8 @@ class Selective(PositionalScheme):
         if cls is None or cls.kind not in ("none", "rotary", "bias") or cls.has_weight or cls.has_content \
                 or cls.reference_only:
             raise SchemeError(f"selective base={self.base_name!r} must be a registered NoPE, rotary or bias scheme "
-                              "without a multiplicative kernel, e.g. rotary, none or alibi")
+                              "without positions from content, score hooks or a multiplicative kernel, e.g. rotary, "
+                              "none or alibi")
         self._sizes = {"dim": int(dim), "layers": int(layers), "head_dim": int(head_dim), "init_std": float(init_std),
                        "original_length": int(original_length)}
         accepted = scheme_params(cls)
