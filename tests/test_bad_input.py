@@ -680,7 +680,7 @@ def _sinks_case(what: str):
     ("selective attention head out of range", lambda: build("selective", num_heads=2, head=2), ["one of 0..1"]),
     ("bench row with a model field that is not an option",
      lambda: __import__("extrapolab.perf.context", fromlist=["as_specs"]).as_specs(
-         [("x", "rotary", {}, 0, {"layers": 2})]), ["not model options a row may set", "sinks, ssmax"]),
+         [("x", "rotary", {}, 0, "auto", {"layers": 2})]), ["not model options a row may set", "sinks, ssmax"]),
 ])
 def test_attention_options_are_one_line(case, fn, needles):
     raises(case, fn, *needles)

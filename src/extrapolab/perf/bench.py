@@ -70,7 +70,7 @@ def preset_settings(name: str) -> dict:
     L = cfg.model.train_length
     model = replace(ModelConfig(**{k: v for k, v in cfg.model.to_dict().items() if k in ModelConfig.__dataclass_fields__}),
                     vocab_size=int(cfg.data.vocab_size), scheme=BASE, dropout=0.0)
-    schemes = [(s, s, {}) if isinstance(s, str) else s if isinstance(s, (tuple, Spec)) else
+    schemes = [s if isinstance(s, (str, tuple, Spec)) else
                Spec(s.get("label") or s["name"], s["name"], dict(s.get("params") or {}),
                     model=dict(s.get("model") or {}))
                for s in (raw.get("sweep") or {}).get("schemes", QUICK["schemes"])]
