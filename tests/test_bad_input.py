@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 93 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 94 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -27,10 +27,10 @@ RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN
 an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
 unreadable factor file, an mscale alone, an unknown option, proportional on a partial-rotary model.
-Attention options and their schemes (10): sinks with stick-breaking, with impl=flex, with the temperature
+Attention options and their schemes (11): sinks with stick-breaking, with impl=flex, with the temperature
 alignment; model.sinks not a boolean; RegularGPT with an attention option; PoPE with base <= 1 and with a
-head size it was not built for; selective attention on a scheme with positions from content and with a head
-out of range; a bench row setting a model field that is not an option.
+head size it was not built for; selective attention on a scheme with positions from content, with a head
+out of range and under eval.bca; a bench row setting a model field that is not an option.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -654,9 +654,13 @@ def _sinks_case(what: str):
     from extrapolab.model.attention import AttnOptions
     from extrapolab.model.gpt import GPT, ModelConfig
 
-    m = GPT(ModelConfig(vocab_size=20, layers=1, heads=2, dim=8, scheme="stick-breaking" if what == "sb" else "alibi",
-                        train_length=8, sinks=True))
+    scheme = {"sb": "stick-breaking", "bca": "selective"}.get(what, "alibi")
+    m = GPT(ModelConfig(vocab_size=20, layers=1, heads=2, dim=8, scheme=scheme, train_length=8, sinks=what != "bca"))
     idx = torch.zeros(1, 8, dtype=torch.long)
+    if what == "bca":
+        from extrapolab.eval.bca import BlockwiseCausal
+
+        return BlockwiseCausal(m, 2)(torch.zeros(1, 9, dtype=torch.long))
     if what == "align":
         target = GPTTarget(m)
         with target.scope(1.0, SoftmaxStats(1, [1.0])):
@@ -678,6 +682,7 @@ def _sinks_case(what: str):
     ("selective attention on positions from content", lambda: build("selective", num_heads=2, base="fox"),
      ["base='fox'", "e.g. rotary, none or alibi"]),
     ("selective attention head out of range", lambda: build("selective", num_heads=2, head=2), ["one of 0..1"]),
+    ("selective attention under eval.bca", lambda: _sinks_case("bca"), ["evaluate it without eval.bca"]),
     ("bench row with a model field that is not an option",
      lambda: __import__("extrapolab.perf.context", fromlist=["as_specs"]).as_specs(
          [("x", "rotary", {}, 0, "auto", {"layers": 2})]), ["not model options a row may set", "sinks, ssmax"]),

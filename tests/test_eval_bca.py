@@ -39,7 +39,9 @@ def dense_forward(model, idx, allowed):
         q, k, v = blk.qkv(blk.ln1(x)).view(B, L, 3, H, C // H).permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
         q, k = s.rotate(q, k, pos, pos)
         bias = s.bias(pos, pos, blk.index) if s.has_bias else torch.zeros(1, L, L)  # [H|1, L, L]
-        out, _ = dense_attention(q, k, v, pos, pos, s, blk.index, bias=(bias + mask).expand(H, L, L))
+        p = s.content_positions(blk.ln1(x), blk.index) if s.has_content else None  # FoX: [B, H, L]
+        out, _ = dense_attention(q, k, v, pos, pos, s, blk.index, bias=(bias + mask).expand(H, L, L),
+                                 content=None if p is None else (p, p))
         x = x + blk.proj(out.transpose(1, 2).reshape(B, L, C))
         x = x + blk.mlp(blk.ln2(x))
     return model.head(model.ln_f(x))  # [B, L, V]
@@ -55,7 +57,7 @@ def test_bca_mask_by_hand():
         block_size(0, 1)
 
 
-@pytest.mark.parametrize("scheme", ["xpos", "rotary", "alibi", "kerple-log", "t5", "none", "kerple-bias-wht"])
+@pytest.mark.parametrize("scheme", ["xpos", "rotary", "alibi", "kerple-log", "t5", "none", "kerple-bias-wht", "fox"])
 def test_blockwise_equals_the_dense_bca_mask_on_the_reference_path(scheme):
     m = _gpt(scheme)
     idx = torch.randint(0, V, (2, 53), generator=torch.Generator().manual_seed(1))  # 53: a last partial block
@@ -69,6 +71,13 @@ def test_blockwise_equals_the_dense_bca_mask_on_the_reference_path(scheme):
             assert (got - m(idx)).abs().max() > 1e-3  # and it is not plain causal attention
         short = idx[:, :16]  # L <= 2 x block: BCA is causal attention
         torch.testing.assert_close(BlockwiseCausal(m, 8)(short), m(short), rtol=1e-6, atol=1e-6)
+
+
+def test_bca_refuses_selective_attention_in_one_line():
+    m = _gpt("selective")
+    with pytest.raises(UserError, match="without eval.bca") as e:
+        BlockwiseCausal(m, 8)(torch.zeros(1, 40, dtype=torch.long))
+    assert "\n" not in str(e.value)
 
 
 def test_evaluate_with_bca_records_block_and_refuses_e5():

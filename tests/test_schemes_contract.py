@@ -39,6 +39,8 @@ OPTION_VARIANTS = [
     ("fire", {"shared": True}),  # FIRE-Shared: one f_θ for every layer, dense rows beyond L built once per forward
     ("dape-alibi", {"kernel": 3}),  # DAPE V2: a 1×3 convolution over keys (future keys enter as zeros)
     ("stick-breaking", {"attend_current": True}),
+    ("pope", {"phase_bias": False}),
+    ("selective", {"base": "alibi", "head": 1}),  # selection on ALiBi's logits (bias included), another head
 ]
 USER = "contract-user-b-per-head"  # a user callable, registered only while its case runs
 

@@ -66,16 +66,20 @@ class BlockwiseCausal(nn.Module):
         L = idx.shape[1]
         if positions is None:
             positions = torch.arange(L, device=idx.device)
+        if any(self.model.scheme.for_layer(i).accumulates for i in range(len(self.model.blocks))):
+            raise UserError("eval.bca restarts the keys at every block, but selective attention's selection spares "
+                            "the first key it sees (the sequence's first token); evaluate it without eval.bca")
         if L <= 2 * self.block:  # every key a query may see is in its own or the previous block
             return self.model(idx, positions=positions, opts=opts)
         layers, prev, outs = len(self.model.blocks), None, []
         for s in range(0, L, self.block):
             e = min(L, s + self.block)
             cache = KVCache(layers)
-            if prev is not None:  # the previous block's keys/values, as computed when it was processed
-                for layer, (k, v, p) in enumerate(prev):
-                    cache.extend(layer, k, v, p)
+            if prev is not None:  # the previous block's keys/values (and positions from content: FoX), as computed
+                for layer, (k, v, p, c) in enumerate(prev):  # when it was processed
+                    cache.extend(layer, k, v, p, c)
             outs.append(self.model(idx[:, s:e], positions=positions[s:e], opts=opts, cache=cache))  # [B, e-s, V]
             n = e - s
-            prev = [(cache.k[i][:, :, -n:], cache.v[i][:, :, -n:], cache.pos[i][-n:]) for i in range(layers)]
+            prev = [(cache.k[i][:, :, -n:], cache.v[i][:, :, -n:], cache.pos[i][-n:],
+                     None if cache.content[i] is None else cache.content[i][..., -n:]) for i in range(layers)]
         return torch.cat(outs, dim=1)  # [B, L, V]
