@@ -171,6 +171,32 @@ def test_sinks_match_gpt_oss_reference_attention():
         torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-10, atol=1e-12)
 
 
+def test_a_gpt_oss_model_through_our_attention_equals_its_eager_forward():
+    """A tiny gpt-oss (transformers' GptOssForCausalLM: sinks in every layer, a sliding and a full layer, GQA) run
+    with our registered attention function (hf/extend.py) gives its eager forward's logits: the sinks are passed
+    on, where they were dropped before (0.07 apart)."""
+    transformers = pytest.importorskip("transformers")
+    from extrapolab.hf.extend import register
+
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=8, max_position_embeddings=128,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    m = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.sinks.normal_()
+    idx = torch.randint(0, 64, (1, 20))
+    m.set_attn_implementation("eager")
+    with torch.no_grad():
+        want = m(idx).logits
+        m.set_attn_implementation(register())
+        got = m(idx).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_ssmax_is_the_papers_scalable_softmax_and_n_counts_the_keys_seen():
     """SSMax(z)_i = n^(s z_i) / Σ_j n^(s z_j) (Nakanishi 2025, eq. 2) for each query row, n its visible keys;
     n = m + 1 from position 0, min(m + 1, w) in a window, the cached keys included after a KV cache."""

@@ -29,6 +29,9 @@ logits come from (rotated, log-n applied, scaled, GQA heads repeated) and then a
 it returns, so a statistic read off one layer's logits can set that layer's temperature before the
 next layer runs (Algorithm 1 in one forward, align/onepass.py).
 
+A module with learned attention sinks (gpt-oss's ``sinks``, one logit per query head) passes them to
+``attend`` (``sinks=``), which carries them exactly on its paths (docs/attention.md, "Model options").
+
 Causal language models only: the function is causal by position; a padding mask (a 2-D
 ``attention_mask`` with zeros) is refused by the registered mask function, since the keys are
 taken to be the positions that end at the last query (a full or sliding cache).
@@ -128,13 +131,16 @@ def extend_attention(module, query, key, value, attention_mask, dropout: float =
     if window:  # Hugging Face's sliding window: keys at distance < window, as AttnOptions.window
         opts = replace(opts, window=int(window))
     layer = int(getattr(module, "layer_idx", 0) or 0)
+    sinks = getattr(module, "sinks", None)  # gpt-oss: a learned sink logit per query head (docs/attention.md)
+    extra = {} if sinks is None else {"sinks": sinks}
     choose = kwargs.get(CHOOSE_KWARG)
     if choose is not None:  # rotate (log-n) once, let the chooser read these q, k, attend at its tau
         query, key = scheme.rotate(query, key, q_pos, k_pos)
         tau = float(choose(layer, query, key, q_pos, k_pos, scheme, opts.window))
-        out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, replace(opts, temperature=tau), rotate=False)
+        out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, replace(opts, temperature=tau), rotate=False,
+                        **extra)
         return out.transpose(1, 2).contiguous(), None  # [B, Lq, H, D]
-    out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, opts)
+    out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, opts, **extra)
     return out.transpose(1, 2).contiguous(), None  # [B, Lq, H, D]
 
 
