@@ -23,8 +23,14 @@ equal to the reference. The paths, chosen by :func:`select_path`:
                  (``scheme.toeplitz_rows()``: FIRE up to L): the queries at m <= T on the Toeplitz path,
                  the others as the fallback; attention rows are independent, so the outputs concatenate.
 
-Schemes with score-level hooks (``reference_only``: CoPE, DAPE, stick-breaking) always take the
-reference path, in query blocks of min(``block_size``, :data:`SCORE_BLOCK`) rows.
+Schemes with score-level hooks (``reference_only``: CoPE, DAPE, stick-breaking, selective attention) always
+take the reference path, in query blocks of min(``block_size``, :data:`SCORE_BLOCK`) rows.
+
+Model options of a layer (docs/attention.md, "Model options"): ``sinks`` (gpt-oss's sink logit per head, one
+more softmax column without a value: carried by the reference, causal, folded and fallback paths,
+:mod:`.sinks`; the two-pass, Toeplitz, flex and split paths hand such calls to those) and ``ssmax`` (SSMax's
+s_h: a temperature per query, multiplied into the scheme's). A rotation that widens q and k (PoPE) gets v
+padded with zero columns to their head size, the output cut back.
 """
 from __future__ import annotations
 
