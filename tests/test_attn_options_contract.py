@@ -63,7 +63,8 @@ def test_cached_decoding_equals_the_parallel_forward_with_every_option(name, opt
         torch.testing.assert_close(steps, full, rtol=1e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["none", "pope", "alibi", "t5", "fox", "fire", "selective", "rotary-selfextend"])
+@pytest.mark.parametrize("name", ["none", "pope", "alibi", "t5", "fox"] + [
+    pytest.param(n, marks=pytest.mark.slow) for n in ("fire", "selective", "rotary-selfextend")])  # ~4 s each
 def test_long_attention_with_sinks_and_ssmax_never_builds_an_L_by_L_tensor(name):
     """8,192 tokens through attend() with sinks and SSMax on each path that carries them (causal, folded, the
     fallback for Toeplitz biases, within its memory budget, the reference path): far below one [H, L, L] fp32

@@ -80,7 +80,8 @@ def attention_rows(
     H = model.cfg.heads
     D = C3 // 3 // H
     q, k, _ = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
-    extras = getattr(model.blocks[layer], "extras", None)  # the layer's attention options (model/attn_extras.py)
+    blocks = getattr(model, "blocks", None)
+    extras = None if blocks is None else getattr(blocks[layer], "extras", None)  # attention options (model/attn_extras.py)
     kw = {} if extras is None else extras.attend_kwargs()  # sinks, SSMax
     if extras is not None:
         q, k = extras.normalize(q, k)  # QK-norm, before the rotation as in the block
