@@ -29,8 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMES = ("rotary", "xpos", "hybrid", "nope-headscale", "alibi", "sandwich", "windowed", "qin-type1", "kerple-log",
-           "t5", "fox", "fire", "t5@sdpa", "kerple-log@sdpa")  # @sdpa: the same scheme on the Toeplitz path's dense
-# mask (SDPA's memory-efficient kernel returns the learnable table's gradient): the A/B that decides the CUDA rule
+           "t5", "fox", "fire", "t5@flex", "kerple-log@flex")  # @flex: training the learnable tables through
+# FlexAttention's own gradient beside the automatic rule's dense mask (memory-efficient SDPA): the A/B behind the rule
 #: stage -> seconds it may take (sum 480 s = 8 minutes)
 LIMITS = {"pytest": 150, "bench-train": 150, "bench-long": 90, "demo": 60, "torchrun": 30}
 

@@ -118,10 +118,16 @@ def test_flex_selection_rules():
         for dev in ("cpu", "cuda"):
             path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, folded=folded, split=split, **kw)
             biased = s.has_bias or s.has_weight
-            want = ("flex" if dev == "cuda" and flex.supported("cuda", 64, torch.float32) else "toeplitz") \
+            # training (grad=True) a learnable table takes the dense mask's path, not flex's atomic gradient
+            flexed = dev == "cuda" and flex.supported("cuda", 64, torch.float32) and not s.learnable
+            want = ("flex" if flexed else "toeplitz") \
                 if biased else "twopass" if s.second_pass() is not None else "causal"  # Self-Extend / ReRoPE
             want = "reference" if s.reference_only else "folded" if s.has_content else want
             assert path == want, (name, dev, path)
+            if dev == "cuda" and biased and not s.reference_only and not s.has_content:  # evaluation: flex
+                path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, folded=folded, split=split,
+                                      **{**kw, "grad": False})
+                assert path == ("flex" if flex.supported("cuda", 64, torch.float32) else "toeplitz"), (name, path)
     alibi = positional.build("alibi", num_heads=4)
     cases = [
         (dict(opts=AttnOptions(), q=(1, 4, 1, 64), Lk=600, starts=(599, 0), same_pos=False), "toeplitz"),  # decoding

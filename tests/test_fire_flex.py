@@ -80,7 +80,9 @@ def test_auto_takes_flex_rows_on_cuda_only_and_never_with_cpu_gradients():
     s = fire(H=4).float()  # L = 27.4: of 512 queries, 28 at or below L
     kw = dict(same_pos=True, starts=(0, 0), dense_bias=False, split=28)
     want = "flex" if flex.supported("cuda", 64, torch.float32) else "split"
-    assert select_path("cuda", s, AttnOptions(), (1, 4, 512, 64), 512, grad=True, **kw)[0] == want
+    assert select_path("cuda", s, AttnOptions(), (1, 4, 512, 64), 512, grad=False, **kw)[0] == want
+    assert select_path("cuda", s, AttnOptions(), (1, 4, 512, 64), 512, grad=True, **kw)[0] == "split"  # training
+    assert select_path("cuda", s, AttnOptions(impl="flex"), (1, 4, 512, 64), 512, grad=True, **kw)[0] == want
     assert select_path("cuda", s, AttnOptions(impl="sdpa"), (1, 4, 512, 64), 512, grad=True, **kw)[0] == "split"
     assert select_path("cuda", s, AttnOptions(), (1, 4, 256, 64), 256, grad=True, **kw)[0] == "split"  # < 512
     assert select_path("cpu", s, AttnOptions(), (1, 4, 512, 64), 512, grad=False, **kw)[0] == "split"
@@ -147,14 +149,14 @@ def test_cuda_fire_beyond_L_trains_through_flex_rows(monkeypatch):
     m = GPT(ModelConfig(scheme="fire", vocab_size=64, dim=256, heads=4, layers=2, train_length=128)).cuda()
     idx = torch.randint(0, 64, (2, 512), device="cuda")
     res = {}
-    for impl in ("plain", "auto"):
+    for impl in ("plain", "flex"):  # training takes the split path by default; flex rows when asked for
         calls = _rows_calls(monkeypatch)
         m.zero_grad()
         out = m(idx, opts=AttnOptions(impl=impl))
         out.float().square().mean().backward()
         res[impl] = (out.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-        assert len(calls) == (2 if impl == "auto" else 0)
-    (o, g), (o_ref, g_ref) = res["auto"], res["plain"]
+        assert len(calls) == (2 if impl == "flex" else 0)
+    (o, g), (o_ref, g_ref) = res["flex"], res["plain"]
     assert float((o - o_ref).norm() / o_ref.norm()) < 1e-5
     bad = grad_mismatches(g, g_ref, 1e-4, torch.float32)  # FIRE's b2: exact gradient 0, rounding noise only
     assert not bad, bad

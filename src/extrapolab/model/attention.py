@@ -184,6 +184,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     def take_flex() -> bool:  # asked for, or `auto` where it pays; never with input gradients on the CPU
         if not (impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype))):
             return False
+        if impl == "auto" and grad and scheme.learnable:  # training a table: flex's gradient is one atomic add per
+            return False  # score element (16.5x bias-free attention on an H100): the dense mask's path instead
         if device == "cpu" and grad:
             raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
                             "use impl='auto' on CPU or run on CUDA")
