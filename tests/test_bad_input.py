@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 94 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 100 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -31,6 +31,8 @@ Attention options and their schemes (11): sinks with stick-breaking, with impl=f
 alignment; model.sinks not a boolean; RegularGPT with an attention option; PoPE with base <= 1 and with a
 head size it was not built for; selective attention on a scheme with positions from content, with a head
 out of range and under eval.bca; a bench row setting a model field that is not an option.
+RULER's synthetic tasks (6): an unknown task, a task that needs a download, a length the task does not
+fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cannot encode text.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -733,6 +735,36 @@ def test_head_scale_on_a_run_that_is_not_nope(tiny, tmp_path):
     check("head scale of a run that is not NoPE", msg.removeprefix("error: "), "is not a NoPE run",
           how=CLI_HOW)
     assert not out.exists()
+
+
+# ---- RULER's synthetic tasks (tasks/ruler) --------------------------------------------------------
+def test_ruler_bad_input_is_one_line(tmp_path):
+    pytest.importorskip("wonderwords")
+    from extrapolab.data.store import TokenData
+    from extrapolab.tasks.ruler import ruler_samples
+    from extrapolab.tasks.ruler.samples import FORMAT
+
+    codec = TokenData.from_arrays([1, 2], [1], [1], vocab_size=257, eot_id=256)  # the bytes codec
+    raises("RULER: unknown task", lambda: ruler_samples("niah_singel_1", 4096, codec, 1, cache_dir=False),
+           "did you mean 'niah_single_1'", "use one of")
+    raises("RULER: task that needs a download", lambda: ruler_samples("qa_1", 4096, codec, 1, cache_dir=False),
+           "needs a QA data set download")
+    raises("RULER: length the task does not fit in", lambda: ruler_samples("niah_single_1", 600, codec, 1,
+                                                                           cache_dir=False),
+           "too short for RULER task niah_single_1", "use lengths >=")
+    ruler_samples("fwe", 1024, codec, 1, cache_dir=tmp_path)
+    [f] = list((tmp_path / "ruler").glob("*.json"))
+    data = json.loads(f.read_text())
+    data["samples"][0]["outputs"] = ["tampered"]
+    f.write_text(json.dumps(data))
+    raises("RULER: cached sample set tampered", lambda: ruler_samples("fwe", 1024, codec, 1, cache_dir=tmp_path),
+           "are damaged (checksum mismatch)", "delete that file")
+    f.write_text(json.dumps({"format": FORMAT})[:-3])
+    raises("RULER: cached sample set truncated", lambda: ruler_samples("fwe", 1024, codec, 1, cache_dir=tmp_path),
+           "not readable JSON", "delete that file")
+    bare = TokenData.from_arrays([1, 2], [1], [1], vocab_size=300, eot_id=299)  # ids only, no tokenizer
+    raises("RULER: model without a tokenizer", lambda: ruler_samples("fwe", 1024, bare, 1, cache_dir=False),
+           "cannot encode text", "RULER needs a real tokenizer")
 
 
 # ---- the CLI -------------------------------------------------------------------------------------

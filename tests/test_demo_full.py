@@ -62,6 +62,11 @@ def test_every_preset_loads_and_validates(name):
         from extrapolab.align.rope_study import load_rope_preset
 
         load_rope_preset(name)
+    elif "ruler" in raw:
+        from extrapolab.tasks.ruler.run import load_spec
+
+        spec, _ = load_spec(name, [])
+        assert spec.budget and spec.n >= 1
     elif "extend" in raw:
         from extrapolab.align.extend_study import load_extend_preset
 

@@ -31,6 +31,8 @@ def ruler(
     out: Optional[Path] = typer.Option(None, "--out", help="results folder (default runs/hf-<name>[-rope]/ruler "
                                        "or RUN/ruler)"),
     which: str = typer.Option("best", "--checkpoint", help="runs: best|last"),
+    prepare: bool = typer.Option(False, "--prepare", help="generate and cache the sample sets, score nothing "
+                                 "(CPU work to do before a GPU run)"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override a preset value, e.g. --set ruler.n=2"),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
@@ -41,12 +43,15 @@ def ruler(
 
     given = [("--preset", preset), ("--tasks", tasks), ("--lengths", lengths), ("--n", n), ("--seed", seed),
              ("--chat", chat), ("--metrics", metrics), ("--rope", rope), ("--train-length", train_length),
-             ("--out", out), *[("--set", s) for s in set_ or []],
+             ("--out", out), ("--prepare", "" if prepare else None), *[("--set", s) for s in set_ or []],
              ("--checkpoint", which if which != "best" else None), ("--device", device if device != "auto" else None),
              ("--dtype", dtype if dtype != "auto" else None)]
-    command = " ".join(["extrapolab ruler", model] + [f"{k} {v}" for k, v in given if v is not None])
+    command = " ".join(["extrapolab ruler", model] + [f"{k} {v}".rstrip() for k, v in given if v is not None])
     res = run_ruler(model, preset=preset, overrides=set_, tasks=tasks, lengths=lengths.split(",") if lengths else None,
                     n=n, seed=seed, chat=chat, metrics=metrics, rope=rope, train_length=train_length, out=out,
-                    which=which, device=device, dtype=dtype, command=command, say=lambda m: typer.echo(m, err=True))
+                    which=which, device=device, dtype=dtype, command=command, prepare_only=prepare,
+                    say=lambda m: typer.echo(m, err=True))
     typer.echo(res["markdown"])
+    if prepare:
+        return
     typer.echo(f"wrote {res['path']}/report.md, ruler.json, ruler.csv (wall time {res['wall_s']:.0f} s)")

@@ -78,7 +78,7 @@ def draw_fitting(make, tokens, size: int, step: int, max_len: int, task: Task, u
         tries += 1
         if tries >= MIN_RETRIES:
             raise UserError(f"length {max_len} is too short for RULER task {task.name}: its smallest haystack "
-                            f"({size} {unit}) takes {smallest} tokens with {task.tokens_to_generate} to generate; "
+                            f"({size} {unit}) takes {smallest} tokens ({task.tokens_to_generate} of them to generate); "
                             f"use lengths >= {smallest}")
 
 

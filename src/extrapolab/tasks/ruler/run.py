@@ -140,8 +140,9 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
               lengths=None, n: int | None = None, seed: int | None = None, chat: str | None = None,
               metrics: str | None = None, rope: str | None = None, train_length: int | None = None,
               out=None, which: str = "best", device: str = "auto", dtype: str = "auto", command: str = "",
-              say=print) -> dict:
-    """Run RULER's offline tasks on ``source`` (module doc); returns the results dict."""
+              prepare_only: bool = False, say=print) -> dict:
+    """Run RULER's offline tasks on ``source`` (module doc); returns the results dict.
+    ``prepare_only``: generate (and cache) every sample set, score nothing."""
     t0 = time.time()
     spec, cache_dir = load_spec(preset, overrides)
     for name, value in (("tasks", tasks), ("lengths", lengths), ("n", n), ("seed", seed), ("chat", chat),
@@ -162,6 +163,10 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     essay = spec.essay or None
     sets = {(t, L): ruler_samples(t, L, fmt, spec.n, spec.seed, cache_dir=cache_dir, essay=essay, say=say)
             for t in spec.tasks for L in spec.lengths}
+    if prepare_only:
+        n_sets = len(sets)
+        return {"markdown": f"{n_sets} sample sets of {spec.n} ready in {Path(cache_dir) / 'ruler'} (nothing scored)\n",
+                "path": str(Path(cache_dir) / "ruler"), "wall_s": round(time.time() - t0, 1), "prepared": n_sets}
     out = Path(out) if out else m.out
     _say_plan(say, m, spec.tasks, spec.lengths, spec.n, greedy, teacher)
     base = {"model": m.info, "prompt": fmt.identity(), "mode": mode, "format": FORMAT}

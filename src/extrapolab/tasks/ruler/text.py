@@ -140,7 +140,8 @@ def split_sentences(text: str) -> list[str]:
     ``sent_tokenize``; the pieces are separated by single spaces in ``text``."""
     out, start = [], 0
     for m in _END.finditer(text):
-        word = text[text.rfind(" ", start, m.start()) + 1:m.start() + 1].lower().strip("\"'([")
+        lo = text.rfind(" ", start, m.start())
+        word = text[lo + 1 if lo >= 0 else start:m.start() + 1].lower().strip("\"'([")
         if word.rstrip(".") in _ABBREV or re.fullmatch(r"[a-z]\.", word):
             continue  # "e.g. Foo", "J. Smith": not a sentence end
         out.append(text[start:m.end()])

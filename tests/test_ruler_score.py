@@ -1,0 +1,109 @@
+"""RULER's metrics against hand-made predictions, and the scorer against plain references: KV-cached
+greedy decoding equals full-context greedy decoding, teacher-forced scores equal one full forward's
+(a tiny random Llama through transformers, and extrapolab's GPT)."""
+import pytest
+import torch
+
+pytest.importorskip("wonderwords")
+transformers = pytest.importorskip("transformers")
+
+from ruler_tiny import essay_text, ruler_tokenizer, save_llama  # noqa: E402
+
+from extrapolab.data.tokenizer import BytesCodec  # noqa: E402
+from extrapolab.model import GPT, ModelConfig  # noqa: E402
+from extrapolab.tasks.ruler import postprocess, ruler_samples, score_samples  # noqa: E402
+from extrapolab.tasks.ruler import string_match_all, string_match_part  # noqa: E402
+from extrapolab.tasks.ruler.prompt import PromptFormat  # noqa: E402
+
+
+def test_string_match_all_and_part_by_hand():
+    preds = ["The special magic numbers for happy-apple are 1234567 and 7654321.", "I do not know.",
+             "7654321, 1111111", "ABC-def is: 42"]
+    refs = [["1234567", "7654321"], ["1234567"], ["1234567", "7654321", "1111111", "2222222"], ["abc-DEF"]]
+    # per sample: all 2/2, 0/1, 2/4 (a multi-value answer that names half the values), case-insensitive 1/1
+    assert string_match_all(preds, refs) == round((100 + 0 + 50 + 100) / 4, 2) == 62.5
+    assert string_match_part(preds, refs) == 75.0  # any one reference counts
+    assert string_match_all(["1234567"], [["123456", "34567"]]) == 100.0  # substrings, no token boundaries
+    assert string_match_all(["a b"], [["x", "y", "z"]]) == 0.0
+    assert string_match_all(["The top words are: fish fish fish"], [["fish", "cat", "dog"]]) == 33.33  # 2 places
+
+
+def test_postprocess_as_ruler():
+    assert postprocess("  \x00 answer\tis\r\n 42 \x1f") == "answer\nis\n\n 42"
+    assert postprocess("\n\n") == ""
+
+
+def _full_greedy(step, ids, n, stop):
+    out = []
+    for _ in range(n):
+        nxt = int(step(ids + out).argmax())
+        out.append(nxt)
+        if nxt in stop:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from extrapolab.hf import load_hf
+
+    folder = save_llama(tmp_path_factory.mktemp("llama") / "m", max_positions=4096)
+    return load_hf(f"hf:{folder}", device="cpu", dtype="fp32")
+
+
+def test_cached_greedy_and_teacher_forcing_equal_full_forwards_hf(llama):
+    tok = llama.tokenizer
+    fmt = PromptFormat(tok)
+    samples = ruler_samples("niah_single_1", 1024, tok, 1, cache_dir=False) + \
+        ruler_samples("fwe", 1024, tok, 1, cache_dir=False)
+    recs = score_samples(llama, samples, tok)
+    m = llama.model
+    for s, r in zip(samples, recs):
+        with torch.no_grad():
+            def step(ids):
+                return m(input_ids=torch.tensor([ids])).logits[0, -1]
+
+            ref = _full_greedy(step, s["ids"], s["tokens_to_generate"], fmt.stop_ids(m))
+            assert r["pred"] == postprocess(fmt.decode([i for i in ref if i not in fmt.stop_ids(m)]))
+            assert r["generated"] == len(ref)
+            tgt = s["target_ids"]
+            logits = m(input_ids=torch.tensor([s["ids"] + tgt[:-1]])).logits[0, -len(tgt):]  # [k, V]
+            lp = torch.log_softmax(logits.float(), -1)[torch.arange(len(tgt)), torch.tensor(tgt)]
+            assert r["tf_logprob"] == pytest.approx(float(lp.sum()), abs=2e-3)
+            assert r["tf_exact"] == bool((logits.argmax(-1) == torch.tensor(tgt)).all())
+            assert r["tf_tokens"] == len(tgt) and 0 <= r["tf_token_acc"] <= 1
+
+
+def test_cached_greedy_and_teacher_forcing_equal_full_forwards_gpt():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=257, dim=32, layers=2, heads=4, scheme="alibi", train_length=64)).eval()
+    codec = BytesCodec()
+    fmt = PromptFormat(codec)
+    samples = ruler_samples("fwe", 600, codec, 1, cache_dir=False)
+    rec = score_samples(model, samples, codec, greedy=True, teacher=True)[0]
+    s = samples[0]
+    with torch.no_grad():
+        def step(ids):
+            return model(torch.tensor([ids]))[0, -1]
+
+        ref = _full_greedy(step, s["ids"], s["tokens_to_generate"], {codec.eot_id})
+        assert rec["pred"] == postprocess(fmt.decode([i for i in ref if i != codec.eot_id]))
+        tgt = s["target_ids"]
+        logits = model(torch.tensor([s["ids"] + tgt[:-1]]))[0, -len(tgt):]  # [k, V]
+        lp = torch.log_softmax(logits.float(), -1)[torch.arange(len(tgt)), torch.tensor(tgt)]
+    assert rec["tf_logprob"] == pytest.approx(float(lp.sum()), abs=2e-3)
+    assert rec["score"] == round(100 * sum(o.lower() in rec["pred"].lower() for o in s["outputs"]) / 3, 2)
+
+
+def test_teacher_only_records_have_no_greedy_fields(llama):
+    s = ruler_samples("niah_single_1", 1024, llama.tokenizer, 1, cache_dir=False)
+    r = score_samples(llama, s, llama.tokenizer, greedy=False)[0]
+    assert "tf_exact" in r and "score" not in r and "pred" not in r
+
+
+def test_target_holds_every_reference(tmp_path):
+    tok = ruler_tokenizer()
+    (tmp_path / "essay.txt").write_text(essay_text())
+    for task in ("niah_multivalue", "vt", "cwe"):
+        s = ruler_samples(task, 2048, tok, 1, cache_dir=False, essay=tmp_path / "essay.txt")[0]
+        assert all(o in s["target"] for o in s["outputs"])
