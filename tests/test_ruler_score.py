@@ -44,18 +44,36 @@ def _full_greedy(step, ids, n, stop):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama_folder(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("llama") / "m", max_positions=4096)
+
+
+@pytest.fixture(scope="module")
+def llama(llama_folder):
     from extrapolab.hf import load_hf
 
-    folder = save_llama(tmp_path_factory.mktemp("llama") / "m", max_positions=4096)
-    return load_hf(f"hf:{folder}", device="cpu", dtype="fp32")
+    return load_hf(f"hf:{llama_folder}", device="cpu", dtype="fp32")
+
+
+@pytest.mark.parametrize("rope", ["selfextend:4,128", "yarn:2"])
+def test_cached_scoring_equals_full_forwards_with_rope(llama_folder, rope):
+    """--rope methods the extension study runs RULER with: the two-pass Self-Extend through transformers'
+    attention registry, YaRN through rope_parameters (L_tr 512, samples at 1,024 tokens)."""
+    from extrapolab.hf import load_hf
+
+    loaded = load_hf(f"hf:{llama_folder}", device="cpu", dtype="fp32", rope=rope, train_length=512)
+    _check_against_full_forwards(loaded, ["niah_single_1"])
 
 
 def test_cached_greedy_and_teacher_forcing_equal_full_forwards_hf(llama):
+    _check_against_full_forwards(llama, ["niah_single_1", "fwe"])
+
+
+def _check_against_full_forwards(llama, tasks):
     tok = llama.tokenizer
     fmt = PromptFormat(tok)
-    samples = ruler_samples("niah_single_1", 1024, tok, 1, cache_dir=False) + \
-        ruler_samples("fwe", 1024, tok, 1, cache_dir=False)
+    # 16 decoding steps per sample: enough to compare, a few seconds on the reference path
+    samples = [{**x, "tokens_to_generate": 16} for t in tasks for x in ruler_samples(t, 1024, tok, 1, cache_dir=False)]
     recs = score_samples(llama, samples, tok)
     m = llama.model
     for s, r in zip(samples, recs):
@@ -79,7 +97,7 @@ def test_cached_greedy_and_teacher_forcing_equal_full_forwards_gpt():
     model = GPT(ModelConfig(vocab_size=257, dim=32, layers=2, heads=4, scheme="alibi", train_length=64)).eval()
     codec = BytesCodec()
     fmt = PromptFormat(codec)
-    samples = ruler_samples("fwe", 600, codec, 1, cache_dir=False)
+    samples = [{**x, "tokens_to_generate": 16} for x in ruler_samples("fwe", 600, codec, 1, cache_dir=False)]
     rec = score_samples(model, samples, codec, greedy=True, teacher=True)[0]
     s = samples[0]
     with torch.no_grad():

@@ -162,7 +162,7 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     m.check_lengths(spec.lengths)
     essay = spec.essay or None
     sets = {(t, L): ruler_samples(t, L, fmt, spec.n, spec.seed, cache_dir=cache_dir, essay=essay, say=say)
-            for t in spec.tasks for L in spec.lengths}
+            for L in spec.lengths for t in spec.tasks}  # scored length by length: a stopped run has whole columns
     if prepare_only:
         n_sets = len(sets)
         return {"markdown": f"{n_sets} sample sets of {spec.n} ready in {Path(cache_dir) / 'ruler'} (nothing scored)\n",
