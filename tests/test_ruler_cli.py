@@ -111,7 +111,8 @@ def test_corrupt_cached_samples_refused(env, tmp_path):
     cache = tmp_path / "cache"
     args = ["ruler", f"hf:{env['llama']}", "--tasks", "fwe", "--lengths", "1024", "--n", "1", "--metrics", "teacher",
             "--out", tmp_path / "a", "--device", "cpu", "--set", f"data.cache_dir={cache}"]
-    assert _run(args).exit_code == 0
+    r = _run([*args, "--prepare"])  # generate and cache only
+    assert r.exit_code == 0 and "sample sets ready: 1 (1 samples each)" in r.output and not (tmp_path / "a").exists()
     [f] = list((cache / "ruler").glob("fwe-1024-*.json"))
     data = json.loads(f.read_text())
     data["samples"][0]["outputs"] = ["tampered"]

@@ -33,7 +33,6 @@ appear in the list, fwe " " + the three words in rank order joined by ", ".
 """
 from __future__ import annotations
 
-import heapq  # noqa: F401  (RULER imports it for an essay variant of vt that synthetic.yaml does not use)
 import random
 import string
 

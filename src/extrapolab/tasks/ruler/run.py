@@ -165,7 +165,8 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
             for L in spec.lengths for t in spec.tasks}  # scored length by length: a stopped run has whole columns
     if prepare_only:
         n_sets = len(sets)
-        return {"markdown": f"{n_sets} sample sets of {spec.n} ready in {Path(cache_dir) / 'ruler'} (nothing scored)\n",
+        return {"markdown": f"sample sets ready: {n_sets} ({spec.n} samples each) in {Path(cache_dir) / 'ruler'}; "
+                            "nothing scored\n",
                 "path": str(Path(cache_dir) / "ruler"), "wall_s": round(time.time() - t0, 1), "prepared": n_sets}
     out = Path(out) if out else m.out
     _say_plan(say, m, spec.tasks, spec.lengths, spec.n, greedy, teacher)

@@ -42,8 +42,8 @@ def _identity(task: Task, fmt: PromptFormat, length: int, n: int, seed: int, ess
              "seed": int(seed), "prompt": fmt.identity()}
     if task.essay:
         ident["essay"] = essay_haystack(essay)[1]
-    if task.family in ("niah", "common_words_extraction") and (task.family != "niah" or "words" in (
-            task.args["type_needle_k"], task.args["type_needle_v"])):
+    niah_words = task.family == "niah" and "words" in (task.args["type_needle_k"], task.args["type_needle_v"])
+    if niah_words or task.family == "common_words_extraction":
         ident["words"] = words_identity()
     return ident
 
