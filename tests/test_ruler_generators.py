@@ -234,3 +234,16 @@ def test_too_short_and_unknown_task(tok):
         ruler_samples("niah_singel_1", 2048, tok, 1, cache_dir=False)
     with pytest.raises(UserError, match="needs a QA data set download"):
         ruler_samples("qa_1", 2048, tok, 1, cache_dir=False)
+
+
+def test_cwe_beyond_the_word_pool_is_refused():
+    """RULER switches to json/english_words.json past wonderwords' 8,166 words (not shipped): refused."""
+    from extrapolab.tasks.ruler.aggregate import CommonWords
+    from extrapolab.tasks.ruler.text import cwe_words
+
+    big = BytesCodec()
+    gen = CommonWords(TASKS["cwe"], PromptFormat(big), 42, 10 ** 6)
+    gen.words = gen.words[:5000]  # a smaller pool stands in for the 8,166 words at a length that needs more
+    with pytest.raises(UserError, match="needs more than the 5000 words of wonderwords' lists"):
+        gen.sample(0)
+    assert len(cwe_words()) == 8166

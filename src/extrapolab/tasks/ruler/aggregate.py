@@ -162,6 +162,10 @@ class CommonWords:
         per_word = self.fmt.count(self.make(4096).text) / 4096
         tokens = lambda d: self.fmt.count(d.text) + ttg  # noqa: E731
         best = binary_search(self.make, lambda d: tokens(d) <= L, step, max(int(L // per_word) * 2, step * 2))
+        if best is not None and best >= len(self.words):
+            raise UserError(f"RULER task cwe at {L} tokens needs more than the {len(self.words)} words of wonderwords' "
+                            "lists (RULER then draws from its json/english_words.json, which is not shipped); use "
+                            "shorter lengths for cwe")
         d, _, size = draw_fitting(self.make, tokens, best or step, step, L, self.task, "words")
         ordered = first_order(d.outputs, d.text, d.context_from, numbered=True)
         target = " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ordered))
