@@ -143,7 +143,7 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
               prepare_only: bool = False, say=print) -> dict:
     """Run RULER's offline tasks on ``source`` (module doc); returns the results dict.
     ``prepare_only``: generate (and cache) every sample set, score nothing."""
-    t0 = time.time()
+    t0, load0 = time.time(), _load()
     spec, cache_dir = load_spec(preset, overrides)
     for name, value in (("tasks", tasks), ("lengths", lengths), ("n", n), ("seed", seed), ("chat", chat),
                         ("metrics", metrics)):
@@ -190,7 +190,8 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     res = {"study": "ruler", "source": RULER_SOURCE, "command": command, "spec": dataclasses.asdict(spec),
            "mode": mode, "model": m.info, "chat_template": list(fmt.chat) if fmt.chat else None,
            "essay": ESSAY_LABEL if any(TASKS[t].essay for t in spec.tasks) else None,
-           "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": _threads()},
+           "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": _threads(),
+                    "load_average": [load0, _load()]},
            "wall_s": round(time.time() - t0, 1), "summary": _jsonable(summary), "records": records}
     atomic_write_json(out / "ruler.json", res)
     atomic_write_text(out / "ruler.csv", csv_text(summary))
@@ -211,6 +212,14 @@ def _read_cell(path: Path, key: str, say) -> dict | None:
         say(f"{path.name}: stored for other settings or damaged; scoring it again")
         return None
     return cell
+
+
+def _load() -> float | None:
+    """The 1-minute load average (other work on the host slows every figure)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _threads() -> int:
@@ -234,8 +243,10 @@ def _report(res: dict, tables: str) -> str:
              + (", inside its chat template" if res["chat_template"] else ", no chat template (RULER's base)"),
              f"- model: {m.get('source')} (weights {str(m.get('weights'))[:16]}, {m.get('dtype')}, {m.get('device')}"
              + (f", --rope {m['rope']}" if m.get("rope") else "") + f"), context {m.get('context')}",
-             f"- host: {res['host']['cpus']} CPUs, {res['host']['torch_threads']} torch threads; wall time "
-             f"{res['wall_s']:.0f} s (cells reused from an earlier run count zero)"]
+             f"- host: {res['host']['cpus']} CPUs, {res['host']['torch_threads']} torch threads, load average "
+             f"{res['host']['load_average'][0]} at the start and {res['host']['load_average'][1]} at the end; wall "
+             f"time {res['wall_s']:.0f} s (cells reused from an earlier run count zero; each cell's scoring seconds "
+             "are in ruler.json)"]
     if res["essay"]:
         lines.append(f"- essay haystack: {ESSAY_LABEL} (python3-doc prose instead of Paul Graham's essays)")
     if spec.get("budget"):
