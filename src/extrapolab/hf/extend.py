@@ -1,7 +1,7 @@
 """Training-free context extension inside Hugging Face RoPE models, through transformers' own
 attention-function registry (``AttentionInterface.register``), never a copied or patched class.
 
-``--rope selfextend:G,w | rerope:w | rerope-leaky:w,k | logn`` (hf/load.py) loads the model with
+``--rope selfextend:G,w | rerope:w | rerope-leaky:w,k | dca:C,w | logn`` (hf/load.py) loads the model with
 ``attn_implementation="extrapolab"``: every attention layer then calls :func:`extend_attention`
 with the q, k Hugging Face has already rotated (pairs (i, i + d/2), its ``rotate_half`` layout,
 with the rope type's attention factor inside cos/sin), v, the module's ``scaling`` and its
@@ -11,12 +11,13 @@ and runs our :func:`extrapolab.model.attention.attend` with :class:`HFRope`, who
 
 * ``rotate``: nothing to rotate (Hugging Face did), only the log-n factor on q
   (``positional.rotary.logn_scale``: max(1, log(m + 1)/log L_tr), the ReRoPE and Self-Extend patches);
-* ``second_pass``: Self-Extend (Jin et al. 2024, arXiv 2401.01325, Algorithm 1) or ReRoPE / leaky
-  ReRoPE (Su 2023, github.com/bojone/rerope): re-rotating the rotated q, k by the angle
-  (far(m) - m)·theta_i puts them at the far positions exactly (positional/rope_twopass.py), with the
-  model's own inverse frequencies read from its rotary embedding at load time.
+* ``second_pass``: Self-Extend (Jin et al. 2024, arXiv 2401.01325, Algorithm 1), ReRoPE / leaky
+  ReRoPE (Su 2023, github.com/bojone/rerope) or dual chunk attention (An et al. 2024, arXiv
+  2402.17463, eqs. 2-8; positional/rotary_dca.py): re-rotating the rotated q, k by the angle
+  (p' - m)·theta_i puts them at each pass's positions p' exactly (positional/rope_twopass.py), with
+  the model's own inverse frequencies read from its rotary embedding at load time.
 
-So the near/far passes run in the same fused two-pass kernel as our GPT (model/twopass.py, merged
+So the passes run in the same fused multi-pass kernel as our GPT (model/twopass.py, merged
 by log-sum-exp, no L x L tensor), and with an ``AttnOptions`` passed as the forward keyword
 ``extrapolab_opts`` the same call takes a per-layer temperature and a logits sink that receives
 every layer's tau = 1 logits one query block at a time (the reference path): Algorithm 1's
@@ -48,13 +49,14 @@ import torch
 from ..io import UserError
 from ..model.attention import AttnOptions, attend
 from ..positional.base import PositionalScheme, SchemeError
-from ..positional.rope_twopass import FarRule, check_rule, far_rotate, selfextend_max_length
+from ..positional.rope_twopass import FarRule, Passes, check_rule, selfextend_max_length, shift_by
+from ..positional.rotary_dca import ChunkRule, check_chunk_rule
 from ..positional.rotary import logn_scale
 
 ATTN = "extrapolab"  #: the attn_implementation name registered with transformers
 OPTS_KWARG = "extrapolab_opts"  #: forward keyword carrying an AttnOptions (temperature, logits sink)
 CHOOSE_KWARG = "extrapolab_layer_tau"  #: forward keyword: a callable choosing each layer's tau (module doc)
-TWOPASS = ("selfextend", "rerope", "rerope-leaky")
+TWOPASS = ("selfextend", "rerope", "rerope-leaky", "dca")  #: methods that run attention in several passes
 
 
 class HFRope(PositionalScheme):
@@ -62,10 +64,10 @@ class HFRope(PositionalScheme):
 
     name = "hf-rope"
     kind = "rotary"
-    paper = "Hugging Face RoPE; Self-Extend (Jin et al. 2024), ReRoPE (Su 2023), log-n scaling"
-    summary = "q, k rotated by the model; log-n factor on q; two-pass far positions by re-rotation"
+    paper = "Hugging Face RoPE; Self-Extend (Jin et al. 2024), ReRoPE (Su 2023), DCA (An et al. 2024), log-n"
+    summary = "q, k rotated by the model; log-n factor on q; each pass's positions by re-rotation"
 
-    def __init__(self, num_heads: int, rule: FarRule | None = None, inv_freq: torch.Tensor | None = None,
+    def __init__(self, num_heads: int, rule: FarRule | ChunkRule | None = None, inv_freq: torch.Tensor | None = None,
                  logn_length: int | None = None) -> None:
         super().__init__(num_heads)
         self.rule, self.inv_freq, self.logn_length = rule, inv_freq, logn_length
@@ -78,17 +80,19 @@ class HFRope(PositionalScheme):
         return q, k
 
     def second_pass(self):
-        return None if self.rule is None else (self.rule.window, self._far)
+        return None if self.rule is None else Passes(self.rule.passes(), self._shift)
 
-    def _far(self, q, k, q_pos, k_pos):
-        return far_rotate(self.rule, self.inv_freq, q, k, q_pos, k_pos, halves=True)
+    def _shift(self, x, delta):
+        return shift_by(x, delta, self.inv_freq, halves=True)
 
 
 @lru_cache(maxsize=32)
 def _scheme(key: str, heads: int) -> HFRope:
     spec = json.loads(key)
     rule = None
-    if spec.get("method"):
+    if spec.get("method") == "dca":
+        rule = ChunkRule(int(spec["chunk"]), int(spec["w"]))
+    elif spec.get("method"):
         rule = FarRule(spec["method"], int(spec["w"]), int(spec.get("G", 1)), float(spec.get("k", 1.0)))
     inv = torch.tensor(spec["inv_freq"], dtype=torch.float64) if spec.get("inv_freq") else None
     return HFRope(heads, rule, inv, spec.get("logn"))
@@ -149,7 +153,7 @@ def causal_only_mask(*args, attention_mask=None, **kwargs):
     mask is refused with one line (the keys are taken to be consecutive positions)."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise UserError("padded batches are not supported by the extrapolab attention (--rope selfextend / "
-                        "rerope / logn); score sequences of equal length without an attention_mask")
+                        "rerope / dca / logn); score sequences of equal length without an attention_mask")
     return None
 
 
@@ -173,7 +177,7 @@ def rotary_inv_freq(model) -> torch.Tensor:
             found[name] = inv.detach().to(torch.float64).cpu()
     distinct = {tuple(v.tolist()) for v in found.values()}
     if len(distinct) != 1:
-        raise UserError(f"two-pass --rope needs exactly one rotary embedding, found {len(distinct)} "
+        raise UserError(f"multi-pass --rope needs exactly one rotary embedding, found {len(distinct)} "
                         f"({', '.join(found) or 'none'}); use --rope logn or a rope_parameters rewrite")
     return next(iter(found.values()))
 
@@ -185,8 +189,11 @@ def install(model, method: str | None, params: dict, logn: int | None, train_len
     record: dict = {}
     if method:
         try:
-            rule = check_rule(method, params["w"], train_length, int(params.get("G", 1)),
-                              float(params.get("k", 1.0)), label=f"--rope {method}")
+            if method == "dca":
+                rule = check_chunk_rule(params["chunk"], params.get("w"), train_length, label="--rope dca")
+            else:
+                rule = check_rule(method, params["w"], train_length, int(params.get("G", 1)),
+                                  float(params.get("k", 1.0)), label=f"--rope {method}")
         except SchemeError as e:
             raise UserError(str(e)) from None
         spec.update(rule.describe(), inv_freq=rotary_inv_freq(model).tolist())

@@ -2,8 +2,8 @@
 
 Every path of :func:`.attention.attend` computes, for rotated q, k (rotary: Su et al. 2021, eq. 34):
 
-    l = (q · k) / sqrt(d_head)                 scale (two-pass schemes, Self-Extend / ReRoPE: q', k'
-                                               moved to far positions where m - n >= w)
+    l = (q · k) / sqrt(d_head)                 scale (multi-pass schemes, Self-Extend / ReRoPE / DCA:
+                                               q', k' moved to each pass's positions in its region)
     l = l * w(m - n)                           KERPLE "wht" kernels only (Chi 2024 thesis §3.7.3)
     l = l + b(m, n)                            the scheme's bias (ALiBi, T5, KERPLE, Sandwich, ...)
     l = l - s_h·(p_m - p_n)                    positions from content (FoX: p = -cumsum(log f))
@@ -145,16 +145,15 @@ def block_logits(q, k, q_pos, k_pos, scheme: PositionalScheme, layer: int = 0, w
     """(logits [B, H, Lq, Lk], ScoreBlock | None) of rotated q [B,H,Lq,D], k [B,H,Lk,D]: every step up
     to the option temperature (module docstring); ``tau_s`` [1, H|1, Lq|1, 1] the scheme's.
 
-    Two-pass schemes (Self-Extend, ReRoPE: ``scheme.second_pass()``) score keys at distance >= w
-    with q, k moved to the scheme's far positions: one logit matrix, merged by the distance mask."""
+    Multi-pass schemes (Self-Extend, ReRoPE, DCA: ``scheme.second_pass()``) score each key in one
+    pass, with q, k moved to that pass's positions: one logit matrix, merged by the passes' regions."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     s = torch.matmul(q * scale, k.transpose(-1, -2))  # [B, H, Lq, Lk]: scale the small side
-    two = scheme.second_pass()
-    if two is not None:
-        w, far = two
-        qf, kf = far(q, k, q_pos, k_pos)  # [B, H, Lq|Lk, D] at the far positions
-        near = causal_distance(q_pos, k_pos) < w  # [Lq, Lk]
-        s = torch.where(near, s, torch.matmul(qf * scale, kf.transpose(-1, -2)))
+    multi = scheme.second_pass()
+    if multi is not None:
+        for p, (qp, kp) in zip(multi.passes, multi.moved(q, k, q_pos, k_pos)):  # [B, H, Lq|Lk, D] each
+            if qp is not q or kp is not k:  # a pass that moves nothing is plain RoPE: s already
+                s = torch.where(p.region(q_pos, k_pos), torch.matmul(qp * scale, kp.transpose(-1, -2)), s)
     weight, add = logit_terms(scheme, q_pos, k_pos, layer, window, bias)
     if weight is not None:
         s = s * weight.to(s.dtype)

@@ -20,6 +20,7 @@ from . import xpos  # noqa: F401  rotary with a per-pair exponential decay (Sun 
 from . import rotary_selfextend  # noqa: F401  Self-Extend (two passes)
 from . import rotary_rerope  # noqa: F401  ReRoPE (two passes)
 from . import rotary_rerope_leaky  # noqa: F401  leaky ReRoPE (two passes)
+from . import rotary_dca  # noqa: F401  dual chunk attention (three passes)
 from . import t5  # noqa: F401
 from . import alibi  # noqa: F401
 from . import windowed  # noqa: F401

@@ -148,10 +148,10 @@ class PositionalScheme(nn.Module):
         return None
 
     def second_pass(self):
-        """None: one attention pass (every scheme but the two-pass RoPE extensions). Two-pass
-        schemes (Self-Extend, ReRoPE; positional/rope_twopass.py) return ``(w, far)``: keys at
-        distance m - n >= w are scored with ``far(q, k, q_pos, k_pos)``, the rotated q, k moved to
-        the scheme's far positions, instead of q, k (model/twopass.py, docs/attention.md)."""
+        """None: one attention pass (every scheme but the multi-pass RoPE extensions). Multi-pass
+        schemes (Self-Extend, ReRoPE, DCA; positional/rope_twopass.py) return ``Passes``: each key
+        is scored in one of its passes (a distance band and chunk range), with the rotated q, k moved
+        to that pass's positions (model/twopass.py, docs/attention.md)."""
         return None
 
     def for_layer(self, layer: int) -> "PositionalScheme":

@@ -1,9 +1,14 @@
-"""Position rules of the two-pass RoPE extensions and the rotary base class they share.
+"""Position rules of the multi-pass RoPE extensions, the passes attention runs for them, and the
+rotary base class they share.
 
 Self-Extend and ReRoPE score a query at position m against a key at position n with plain RoPE
 while the distance m - n is below a window w (the *near* pass) and, from w on, with q and k moved
-to other positions (the *far* pass); the two logit sets are merged by that distance mask before
-one softmax. Each rule below says where the far pass puts q and k (:class:`FarRule`):
+to other positions (the *far* pass); dual chunk attention (:mod:`.rotary_dca`) does the same with
+three passes chosen by chunk instead of distance. Whatever the scheme, each pass is a
+:class:`Pass`: which keys it scores (a distance band and, optionally, a range of chunks) and
+where it puts q and k for them; the logit sets are merged before one softmax (model/twopass.py:
+fused passes merged by log-sum-exp; model/reference.py: the explicit merged logits). The far
+passes of the two-pass methods (:class:`FarRule`):
 
 * Self-Extend (Jin et al. 2024, "LLM Maybe LongLM: Self-Extend LLM Context Window Without
   Tuning", arXiv 2401.01325, §3 and Algorithm 1; official code datamllab/LongLM,
@@ -18,21 +23,78 @@ one softmax. Each rule below says where the far pass puts q and k (:class:`FarRu
 * Leaky ReRoPE (same repository, ``leaky_rerope_patch.py``): w + (m - n - w)/k beyond w; the patch
   rotates far queries at (m + w(k - 1))/k and far keys at n/k, i.e. m/k + w - w/k and n/k here.
 
-Both passes start from the already rotated q, k of the near pass: RoPE rotations compose,
-R(p')·R(p) = R(p' + p), so rotating q by the angle (far(m) - m)·theta_i gives q at far(m) exactly,
+Every pass starts from the already rotated q, k of plain RoPE: rotations compose,
+R(p')·R(p) = R(p' + p), so rotating q by the angle (p' - m)·theta_i gives q at p' exactly,
 whatever rotated it first (our interleaved pairs (2i, 2i+1) or Hugging Face's halves (i, i + d/2),
-:func:`rotate_by`). That is why a KV cache of rotated keys serves both passes, and why Hugging Face
+:func:`rotate_by`). That is why a KV cache of rotated keys serves every pass, and why Hugging Face
 models, whose attention receives rotated q and k, need no second rotary embedding.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from .base import SchemeError
+from .base import SchemeError, causal_distance
 from .rotary import Rotary, check_original_length
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass of a multi-pass scheme: the keys it scores and where q and k sit for them.
+
+    A query at m scores the key at n in this pass when the distance d = m - n lies in
+    [d_lo, d_hi) (d_hi None: unbounded) and, with a chunk length ``chunk`` = s, the key's chunk
+    floor(n/s) lies c_lo..c_hi chunks before the query's floor(m/s) (c_hi None: unbounded).
+    ``q_at`` / ``k_at`` map positions to the (float64) positions q and k are rotated to for this
+    pass; None leaves them where plain RoPE put them. The passes of a scheme partition the causal
+    keys of every query."""
+
+    d_lo: int = 0
+    d_hi: int | None = None
+    chunk: int | None = None
+    c_lo: int = 0
+    c_hi: int | None = None
+    q_at: Callable[[torch.Tensor], torch.Tensor] | None = None
+    k_at: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def region(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """[Lq, Lk] bool: True where this pass scores the key (causality aside)."""
+        d = causal_distance(q_pos, k_pos)  # [Lq, Lk]
+        ok = d >= self.d_lo
+        if self.d_hi is not None:
+            ok = ok & (d < self.d_hi)
+        if self.chunk is not None:
+            c = torch.div(q_pos, self.chunk, rounding_mode="floor")[:, None] \
+                - torch.div(k_pos, self.chunk, rounding_mode="floor")[None, :]  # [Lq, Lk] chunks apart
+            ok = ok & (c >= self.c_lo)
+            if self.c_hi is not None:
+                ok = ok & (c <= self.c_hi)
+        return ok
+
+
+@dataclass(frozen=True)
+class Passes:
+    """What ``second_pass()`` returns: the passes, and ``shift(x, delta)`` rotating x [..., L, d]
+    by ``delta`` [L] (float64) positions in the scheme's layout and frequencies."""
+
+    passes: tuple[Pass, ...]
+    shift: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def moved(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
+        """[(q_i, k_i)] per pass: q [B,H,Lq,D], k [B,H,Lk,D] moved to the pass's positions; a pass
+        that moves nothing gets q, k themselves, and passes with the same rule share one tensor."""
+        done: dict = {}
+
+        def at(x, pos, f, side):
+            if f is None:
+                return x
+            if (side, f) not in done:
+                done[side, f] = self.shift(x, f(pos).to(torch.float64) - pos.to(torch.float64))
+            return done[side, f]
+        return [(at(q, q_pos, p.q_at, "q"), at(k, k_pos, p.k_at, "k")) for p in self.passes]
 
 
 @dataclass(frozen=True)
@@ -59,6 +121,10 @@ class FarRule:
         if self.method == "rerope":
             return torch.zeros_like(n)
         return n / self.k
+
+    def passes(self) -> tuple[Pass, ...]:
+        """The near pass (0 <= m - n < w, plain RoPE) and the far pass (m - n >= w, moved)."""
+        return Pass(0, self.window), Pass(self.window, None, q_at=self.q_pos, k_at=self.k_pos)
 
     def describe(self) -> dict:
         out = {"method": self.method, "w": self.window}
@@ -133,34 +199,31 @@ def rotate_by(x: torch.Tensor, angles: torch.Tensor, halves: bool = False) -> to
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
-def far_rotate(rule: FarRule, inv_freq: torch.Tensor, q, k, q_pos, k_pos, halves: bool = False):
-    """(q, k) rotated at their near positions -> the same vectors at the rule's far positions."""
-    dq = rule.q_pos(q_pos) - q_pos.to(torch.float64)  # [Lq] how far each query moves
-    dk = rule.k_pos(k_pos) - k_pos.to(torch.float64)  # [Lk]
-    inv = inv_freq.to(q.device)
-    return rotate_by(q, shift_angles(dq, inv), halves), rotate_by(k, shift_angles(dk, inv), halves)
+def shift_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, halves: bool = False) -> torch.Tensor:
+    """x [..., L, d] rotated at some positions -> the same vectors ``delta`` [L] positions further."""
+    return rotate_by(x, shift_angles(delta, inv_freq.to(x.device)), halves)
 
 
-class TwoPassRotary(Rotary):
-    """Plain RoPE for keys nearer than w, the subclass's :class:`FarRule` beyond (see module doc).
+class MultiPassRotary(Rotary):
+    """Plain RoPE, plus the passes of the subclass's rule (see module doc): ``rule.passes()``.
 
     ``rotate`` is plain rotary (with the family's log-n option), so the KV cache keeps rotated
-    keys as for ``rotary``; ``second_pass()`` tells attention to add the far pass
-    (model/twopass.py, docs/attention.md)."""
+    keys as for ``rotary``; ``second_pass()`` tells attention to run the passes (model/twopass.py,
+    docs/attention.md)."""
 
     kind = "rotary"
 
-    def __init__(self, num_heads: int, rule: FarRule, original_length: int, logn: bool, base: float) -> None:
+    def __init__(self, num_heads: int, rule, original_length: int, logn: bool, base: float) -> None:
         super().__init__(num_heads, base=base, logn=logn, original_length=original_length)
         self.rule = rule
         self.original_length = check_original_length(self.name, original_length)
 
-    def second_pass(self):
-        return self.rule.window, self._far
+    def second_pass(self) -> Passes:
+        return Passes(self.rule.passes(), self._shift)
 
-    def _far(self, q, k, q_pos, k_pos):
-        inv = self.inv_freq(q.shape[-1], None)  # [d/2] float64, the frequencies rotate() used
-        return far_rotate(self.rule, inv, q, k, q_pos, k_pos, halves=False)
+    def _shift(self, x, delta):
+        inv = self.inv_freq(x.shape[-1], None)  # [d/2] float64, the frequencies rotate() used
+        return shift_by(x, delta, inv, halves=False)
 
     def options(self):
         rule = {k: v for k, v in self.rule.describe().items() if k != "method"}

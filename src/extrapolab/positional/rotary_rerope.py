@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from .registry import register
 from .rotary import check_original_length
-from .rope_twopass import TwoPassRotary, check_rule
+from .rope_twopass import MultiPassRotary, check_rule
 
 
 @register
-class RotaryReRoPE(TwoPassRotary):
+class RotaryReRoPE(MultiPassRotary):
     name = "rotary-rerope"
     paper = "Su 2023 (ReRoPE, github.com/bojone/rerope): relative position min(m - n, w)"
     summary = "RoPE with relative positions capped at w (two passes merged by the distance mask)"

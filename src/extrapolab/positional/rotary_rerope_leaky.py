@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from .registry import register
 from .rotary import check_original_length
-from .rope_twopass import TwoPassRotary, check_rule
+from .rope_twopass import MultiPassRotary, check_rule
 
 
 @register
-class RotaryReRoPELeaky(TwoPassRotary):
+class RotaryReRoPELeaky(MultiPassRotary):
     name = "rotary-rerope-leaky"
     paper = "Su 2023 (leaky ReRoPE, github.com/bojone/rerope): w + (m - n - w)/k beyond w"
     summary = "RoPE within w, relative positions growing by 1/k per token beyond (two passes)"

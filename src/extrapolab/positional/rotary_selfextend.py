@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from .registry import register
 from .rotary import check_original_length
-from .rope_twopass import TwoPassRotary, check_rule, selfextend_max_length
+from .rope_twopass import MultiPassRotary, check_rule, selfextend_max_length
 
 
 @register
-class RotarySelfExtend(TwoPassRotary):
+class RotarySelfExtend(MultiPassRotary):
     name = "rotary-selfextend"
     paper = "Jin et al. 2024 (Self-Extend) §3, Algorithm 1: grouped positions floor(n/G), floor(m/G) + w - floor(w/G)"
     summary = "RoPE within w, grouped positions (group G) beyond; longest input (L_tr - w)·G + w"
