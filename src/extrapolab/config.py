@@ -95,6 +95,9 @@ class EvalConfig:
     position_length: int = 0  # 0 = max length
     position_segments: int = 48  # E4 segments averaged per position
     cache_window: int = 0  # E5 window; 0 = 2·L_tr
+    #: E5 attention sinks (StreamingLLM): -1 off; k >= 0 keeps the first k tokens besides the window, keys
+    #: cached before rotation and placed at their positions in the cache (docs/protocols.md)
+    sinks: int = -1
     delta: float = 0.1  # E6 verdict threshold
     batch_size: int = 4
     temperature: float = 1.0

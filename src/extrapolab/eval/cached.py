@@ -20,6 +20,13 @@ when its token could still see tokens that have since left the window, so the ca
 information from evicted tokens (as x-transformers' cached generation does); re-encoding does not.
 :func:`compare_cached` measures the gap. APE models also differ because the cache keeps absolute
 positions (they grow past w̄) while re-encoding restarts at 0.
+
+``sinks=k`` (``eval.sinks``; StreamingLLM, Xiao et al. 2024, arXiv 2309.17453, §3.2): the cache keeps
+the first k tokens of each subsequence (the attention sinks) besides the newest w̄, keys stored before
+rotation and placed at their positions in the cache 0..k+w̄-1 (model/cache.py); the re-encoding
+reference feeds exactly those k + w̄ tokens at positions 0..k+w̄-1, and for a 1-layer model the two
+agree exactly again. k = 0 is the plain window at cache positions, the same numbers as without sinks
+for relative schemes. An HF model brings its own cache (``model.new_cache``, hf/cached.py).
 """
 from __future__ import annotations
 
@@ -53,11 +60,32 @@ def _logits(out):
     return out["logits"] if isinstance(out, dict) else out
 
 
-def _cached_rows(model, x, window, opts, dev) -> torch.Tensor:
-    """x [B, L+1] -> NLL [B, L]: prefill min(w̄, L) tokens, then one token per step."""
+def check_sinks(model: nn.Module, sinks) -> int | None:
+    """``sinks`` as None (off) or an int k >= 0 the model can take, else a one-line UserError."""
+    if sinks is None or int(sinks) == -1:
+        return None
+    if int(sinks) != sinks or sinks < 0:
+        raise UserError(f"eval.sinks must be -1 (off) or a number of sink tokens >= 0, got {sinks}; e.g. 4")
+    scheme = getattr(model, "scheme", None)
+    if scheme is not None and (scheme.kind == "absolute" or scheme.has_content):
+        raise UserError(f"eval.sinks places cached keys at their positions in the cache; scheme {scheme.name!r} "
+                        "takes positions from the input (an embedding or its content); use eval.sinks=-1")
+    return int(sinks)
+
+
+def new_cache(model: nn.Module, window: int, sinks: int | None = None):
+    """The cache E5 decodes with: the model's own (``model.new_cache``, an HF model), else a KVCache."""
+    make = getattr(model, "new_cache", None)
+    if make is not None:
+        return make(window, sinks)
+    return KVCache(num_layers(model), window=window, sinks=sinks)
+
+
+def _cached_rows(model, x, window, opts, dev, sinks=None) -> torch.Tensor:
+    """x [B, L+1] -> NLL [B, L]: prefill min(k + w̄, L) tokens, then one token per step."""
     B, L = x.shape[0], x.shape[1] - 1
-    cache = KVCache(num_layers(model), window=window)
-    first = min(window, L)
+    cache = new_cache(model, window, sinks)
+    first = min(window + (sinks or 0), L)
     pos = torch.arange(first, device=dev)
     logits = _logits(model(x[:, :first], positions=pos, opts=opts, cache=cache))  # [B, first, V]
     nll = [F.cross_entropy(logits.float().transpose(1, 2), x[:, 1:first + 1], reduction="none")]
@@ -76,10 +104,13 @@ def cached_window_ppl(
     max_tokens: int = 0,
     batch_size: int = 4,
     opts: AttnOptions | None = None,
+    sinks: int | None = None,
 ) -> dict:
-    """E5 ppl of L-token subsequences decoded with a w̄-token KV cache -> {ppl, nll, tokens, ...}."""
+    """E5 ppl of L-token subsequences decoded with a w̄-token KV cache (and ``sinks`` first tokens,
+    module doc) -> {ppl, nll, tokens, ...}."""
     tok = as_tokens(tokens)
     L, w = check_length(length), check_length(window, "cache window")
+    k = check_sinks(model, sinks)
     starts = chunk_starts(len(tok), L, max_tokens, "cached evaluation")
     opts, dev = resolve_opts(opts), model_device(model)
     rows = rows_per_batch(model, min(w, L), batch_size)
@@ -89,14 +120,15 @@ def cached_window_ppl(
 
     def run(group):
         x = torch.from_numpy(np.stack([np.asarray(tok[s:s + L + 1], dtype=np.int64) for s in group]))
-        return [(0, row) for row in _cached_rows(model, x.to(dev), w, opts, dev)]  # [L] each
+        return [(0, row) for row in _cached_rows(model, x.to(dev), w, opts, dev, k)]  # [L] each
 
     with evaluating(model):
         for i in range(0, len(starts), rows):
             st = starts[i:i + rows]
             run_with_fallback(lambda idx, st=st: run(st[idx]), len(st), scores, fail)
     sec = time.perf_counter() - t0
-    return _result(scores, L, window=w, seconds=sec, tokens_per_s=scores.count / max(sec, 1e-9))
+    return _result(scores, L, window=w, seconds=sec, tokens_per_s=scores.count / max(sec, 1e-9),
+                   **({} if k is None else {"sinks": k}))
 
 
 def recomputed_windows(length: int, window: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -117,11 +149,16 @@ def recomputed_window_ppl(
     batch_size: int = 4,
     opts: AttnOptions | None = None,
     progress: bool = False,
+    sinks: int | None = None,
 ) -> dict:
-    """Same subsequences as :func:`cached_window_ppl`; each prediction re-encodes its last w̄ tokens."""
+    """Same subsequences as :func:`cached_window_ppl`; each prediction re-encodes its last w̄ tokens
+    (with ``sinks``: the subsequence's first k tokens and its last w̄, at positions 0..k+w̄-1)."""
     tok = as_tokens(tokens)
     L = check_length(length)
     starts = chunk_starts(len(tok), L, max_tokens, "recomputed-window evaluation")
+    k = check_sinks(model, sinks)
+    if k is not None:
+        return _recomputed_with_sinks(model, tok, starts, L, check_length(window, "window"), k, batch_size, opts)
     offsets, score_from, w = recomputed_windows(L, window)
     all_starts = (starts[:, None] + offsets[None]).reshape(-1)  # [chunks * windows]
     all_from = np.tile(score_from, len(starts))
@@ -130,6 +167,37 @@ def recomputed_window_ppl(
                       progress=progress, desc=f"recomputed L={L} w={w}")
     sec = time.perf_counter() - t0
     return _result(s, L, window=int(window), seconds=sec, tokens_per_s=s.count / max(sec, 1e-9))
+
+
+def _recomputed_with_sinks(model, tok, starts, L: int, w: int, k: int, batch_size: int, opts) -> dict:
+    """Each prediction t >= k + w̄ re-encodes tokens 0..k-1 and t-w̄+1..t of its subsequence (k + w̄
+    tokens, positions 0..k+w̄-1) and scores the last; the first min(k + w̄, L) come from one forward."""
+    opts, dev = resolve_opts(opts), model_device(model)
+    n0, scores, t0 = min(k + w, L), Scores(), time.perf_counter()
+    rows = rows_per_batch(model, k + w, batch_size)
+    cols = [np.r_[np.arange(k), np.arange(t - w + 1, t + 1)] for t in range(n0, L)]  # token offsets per window
+    jobs = [(st, t, c) for st in starts for t, c in zip(range(n0, L), cols)]
+    fail = f"re-encoding {k} sinks + {w} tokens does not fit in memory with batch size 1; use a smaller window"
+    with evaluating(model):
+        for i in range(0, len(starts), rows):  # the first n0 predictions of each subsequence
+            x = torch.from_numpy(np.stack([np.asarray(tok[st:st + n0 + 1], dtype=np.int64)
+                                           for st in starts[i:i + rows]]))  # [b, n0 + 1]
+            lg = _logits(model(x[:, :n0].to(dev), opts=opts))  # [b, n0, V]
+            nll = F.cross_entropy(lg.float().transpose(1, 2), x[:, 1:].to(dev), reduction="none")  # [b, n0]
+            for row in nll:
+                scores.add(0, row)
+        for i in range(0, len(jobs), rows):
+            group = jobs[i:i + rows]
+
+            def run(idx, group=group):
+                x = torch.from_numpy(np.stack([np.asarray(tok[st + c], dtype=np.int64) for st, _, c in
+                                               (group[j] for j in idx)])).to(dev)  # [b, k + w]
+                y = torch.tensor([int(tok[st + t + 1]) for st, t, _ in (group[j] for j in idx)], device=dev)
+                last = _logits(model(x, opts=opts))[:, -1]  # [b, V]
+                return [(0, F.cross_entropy(last.float(), y, reduction="none"))]  # [b]
+            run_with_fallback(run, len(group), scores, fail)
+    sec = time.perf_counter() - t0
+    return _result(scores, L, window=w, sinks=k, seconds=sec, tokens_per_s=scores.count / max(sec, 1e-9))
 
 
 def compare_cached(model, tokens, length: int, *, window: int, **kw) -> dict:

@@ -24,7 +24,7 @@ from ..model.attention import AttnOptions, temperature_record
 from ..positional import randomized
 from ..positional.base import SchemeError
 from .bca import BlockwiseCausal, block_size
-from .cached import cached_window_ppl, recomputed_window_ppl
+from .cached import cached_window_ppl, check_sinks, recomputed_window_ppl
 from .positions import RandomPositions
 from .core import as_tokens, check_length, check_vocab, resolve_opts
 from .perplexity import last_token, last_token_ends, nonoverlapping, sliding
@@ -74,6 +74,7 @@ def evaluate(
     position_length: int = 0,
     position_segments: int = 16,
     cache_window: int = 0,
+    sinks: int = -1,
     delta: float = 0.1,
     batch_size: int = 4,
     temperature: float | Sequence[float] = 1.0,
@@ -105,6 +106,7 @@ def evaluate(
         model.check_opts(opts)
     stride = int(sliding_stride) or max(1, m // 2)
     window = int(cache_window) or 2 * m
+    k = check_sinks(model, sinks) if {"cached", "recomputed"} & set(protos) else None  # bad value: fails here
     pos_len = int(position_length) or Ls[-1]
     cache_tokens = int(num_tokens) or int(batch_size) * Ls[-1]
     kw = dict(batch_size=batch_size, opts=opts)
@@ -117,7 +119,8 @@ def evaluate(
     out: dict = {"train_length": m, "lengths": Ls, "protocols": protos, "settings": {
         "num_tokens": int(num_tokens), "sliding_stride": stride, "last_token_n": int(last_token_n),
         "position_length": pos_len, "position_segments": int(position_segments),
-        "cache_window": window, "cache_tokens": cache_tokens, "delta": float(delta),
+        "cache_window": window, "cache_sinks": -1 if k is None else k, "cache_tokens": cache_tokens,
+        "delta": float(delta),
         "batch_size": int(batch_size), "temperature": temperature_record(opts.temperature),
         "bca_block": block, "positions": str(positions), "stream_tokens": int(len(tok))}, "seconds": {}}
     for p in protos:
@@ -152,10 +155,10 @@ def evaluate(
             except (UserError, SchemeError) as err:
                 out[p] = {"error": str(err), "length": pos_len}
         elif p == "cached":
-            out[p] = _per_length(lambda L: cached_window_ppl(model, tok, L, window=window,
+            out[p] = _per_length(lambda L: cached_window_ppl(model, tok, L, window=window, sinks=k,
                                                              max_tokens=cache_tokens, **kw), Ls)
         elif p == "recomputed":
-            out[p] = _per_length(lambda L: recomputed_window_ppl(model, tok, L, window=window,
+            out[p] = _per_length(lambda L: recomputed_window_ppl(model, tok, L, window=window, sinks=k,
                                                                  max_tokens=cache_tokens, progress=progress,
                                                                  **kw), Ls)
         out["seconds"][p] = time.perf_counter() - t0
@@ -176,7 +179,7 @@ def evaluate_config(model: nn.Module, tokens, eval_cfg, train_length: int, **kw)
     (``config.eval_positions``): pass ``positions=``; without it "train" evaluates at 0..L-1."""
     fields = ("protocols", "lengths", "num_tokens", "last_token_n", "sliding_stride", "position_length",
               "position_segments",
-              "cache_window", "delta", "batch_size", "temperature", "bca", "bca_block")
+              "cache_window", "sinks", "delta", "batch_size", "temperature", "bca", "bca_block")
     args = {f: getattr(eval_cfg, f) for f in fields if hasattr(eval_cfg, f)}
     if getattr(eval_cfg, "positions", "train") != "train":
         args["positions"] = eval_cfg.positions

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..io import UserError
 from ..model.attention import temperature_record
+from .cached import HFWindowCache
 from .load import HFModel, load_hf
 from .temperature import hf_temperature
 
@@ -118,8 +119,17 @@ class HFCausalLM(nn.Module):
             tau = temperature_record(getattr(opts, "temperature", 1.0) or 1.0)
         return hf_temperature(self, tau) if tau != 1.0 else nullcontext()
 
+    def new_cache(self, window: int, sinks: int | None = None) -> HFWindowCache:
+        """The cache E5 decodes with (eval/cached.py): the window prefix, ``sinks`` first tokens and the newest
+        ``window``, keys before rotation (hf/cached.py)."""
+        return HFWindowCache(self, window, sinks)
+
     def forward(self, idx: torch.Tensor | None = None, positions=None, opts=None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, cache: HFWindowCache | None = None) -> torch.Tensor:
+        if cache is not None:  # E5's cached window: the cache places the tokens, not ``positions``
+            self.check_length(cache.keep + cache.window)
+            with self._scope(None, opts):
+                return cache.step(self, idx)  # [B, L, V]
         kw = self._inputs(idx, inputs_embeds)
         with self._scope(positions, opts):
             out = self.hf(**kw, use_cache=False)

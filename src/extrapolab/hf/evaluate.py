@@ -3,8 +3,10 @@
 E1 nonoverlapping, E2 sliding and E3 last-token run through ``eval.evaluate`` on the
 :class:`~extrapolab.hf.adapter.HFCausalLM`; E4 position-wise runs ``eval.positionwise`` without
 its windowed@L_tr reference (an HF model has no windowed attention without an L x L mask, see
-adapter.py). E5 (cached / recomputed windows) needs our GPT's KV cache and is refused. The result
-has the layout of ``eval.evaluate`` (eval.json), plus a ``model`` block saying what was loaded.
+adapter.py). E5 (cached / recomputed windows, with ``eval.sinks``) runs on RoPE models: the cached
+window is the model's own ``DynamicCache`` of keys before rotation (hf/cached.py, StreamingLLM's
+cache), through the registered attention function. The result has the layout of ``eval.evaluate``
+(eval.json), plus a ``model`` block saying what was loaded.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import numpy as np
 from ..eval import evaluate_config, positionwise
 from ..io import UserError
 from ..model.attention import AttnOptions, temperature_record
+from .cached import prepare
 
-PROTOCOLS = ("nonoverlapping", "sliding", "last_token", "positionwise")
+PROTOCOLS = ("nonoverlapping", "sliding", "last_token", "positionwise", "cached", "recomputed")
 
 
 def check_hf_protocols(protocols) -> list[str]:
@@ -47,6 +50,8 @@ def _finite(x) -> list:
 def evaluate_hf(model, tokens, ecfg, train_length: int, progress: bool = False) -> dict:
     """``eval.evaluate`` with ``ecfg`` (an EvalConfig) on an ``HFCausalLM``; see module doc."""
     protos = check_hf_protocols(ecfg.protocols)
+    if "cached" in protos:  # a model the cached window cannot serve fails here, in one line
+        prepare(model)
     by_length = [p for p in protos if p != "positionwise"]
     if by_length:
         sub = copy.deepcopy(ecfg)

@@ -30,6 +30,11 @@ logits come from (rotated, log-n applied, scaled, GQA heads repeated) and then a
 it returns, so a statistic read off one layer's logits can set that layer's temperature before the
 next layer runs (Algorithm 1 in one forward, align/onepass.py).
 
+A third, ``extrapolab_in_cache`` (:data:`STREAM_KWARG`), is E5's cached-window decoding (hf/cached.py,
+StreamingLLM's cache of sink tokens and a window): the model is called at position 0, so the cache
+holds keys before rotation, and each call rotates every cached key at its position in the cache and
+the queries at theirs.
+
 A module with learned attention sinks (gpt-oss's ``sinks``, one logit per query head) passes them to
 ``attend`` (``sinks=``), which carries them exactly on its paths (docs/attention.md, "Model options").
 
@@ -56,6 +61,7 @@ from ..positional.rotary import logn_scale
 ATTN = "extrapolab"  #: the attn_implementation name registered with transformers
 OPTS_KWARG = "extrapolab_opts"  #: forward keyword carrying an AttnOptions (temperature, logits sink)
 CHOOSE_KWARG = "extrapolab_layer_tau"  #: forward keyword: a callable choosing each layer's tau (module doc)
+STREAM_KWARG = "extrapolab_in_cache"  #: forward keyword: keys cached unrotated, placed by cache slot (hf/cached.py)
 TWOPASS = ("selfextend", "rerope", "rerope-leaky", "dca")  #: methods that run attention in several passes
 
 
@@ -118,16 +124,30 @@ def _positions(position_ids, Lq: int, Lk: int, device):
     return q_pos, torch.arange(end - Lk, end, device=device)
 
 
+def _in_cache(scheme: HFRope, query, key):
+    """E5 with a cache of keys before rotation (:data:`STREAM_KWARG`, hf/cached.py): q, k were rotated at
+    position 0 (a no-op), so rotate them at their positions in the cache, keys 0..Lk-1 and the queries
+    the last Lq of them -> (query, key, q_pos, k_pos)."""
+    Lq, Lk = query.shape[2], key.shape[2]
+    k_pos = torch.arange(Lk, device=query.device)  # [Lk]
+    q_pos = k_pos[Lk - Lq:]
+    return (shift_by(query, q_pos.to(torch.float64), scheme.inv_freq, halves=True),
+            shift_by(key, k_pos.to(torch.float64), scheme.inv_freq, halves=True), q_pos, k_pos)
+
+
 def extend_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers attention function: q [B,H,Lq,D], k/v [B,Hkv,Lk,D] -> ([B,Lq,H,D], None)."""
     B, H, Lq, D = query.shape
     scheme = scheme_for(getattr(module, "config", None), H)
     opts = kwargs.get(OPTS_KWARG) or AttnOptions()
+    if kwargs.get(STREAM_KWARG):
+        query, key, q_pos, k_pos = _in_cache(scheme, query, key)
+    else:
+        q_pos, k_pos = _positions(kwargs.get("position_ids"), Lq, key.shape[2], query.device)
     rep = H // key.shape[1]
     if rep > 1:  # grouped-query attention: each key/value head serves rep query heads
         key = key[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)  # [B, H, Lk, D]
         value = value[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2)
-    q_pos, k_pos = _positions(kwargs.get("position_ids"), Lq, key.shape[2], query.device)
     c = 1.0 if scaling is None else float(scaling) * math.sqrt(D)  # attend scales by 1/sqrt(D)
     if not math.isclose(c, 1.0, rel_tol=1e-12, abs_tol=0.0):
         query = query * c

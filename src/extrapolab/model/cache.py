@@ -1,7 +1,15 @@
 """The KV cache of causal decoding (docs/attention.md): rotated keys, values, their positions and,
 for schemes with positions from content (FoX), those positions, per layer; with a window it keeps
-the newest ``window`` tokens. ``GPT.forward(cache=...)`` and ``Block.forward`` extend it; cached
-decoding equals the parallel forward (tests/test_schemes_contract.py).
+the newest ``window`` tokens. ``GPT.forward(cache=...)`` and ``Block.forward`` extend it
+(:meth:`KVCache.update`); cached decoding equals the parallel forward (tests/test_schemes_contract.py).
+
+With ``sinks=k`` it is StreamingLLM's cache (Xiao et al. 2024, "Efficient Streaming Language Models
+with Attention Sinks", ICLR 2024, arXiv 2309.17453, §3.2 and Figure 4; mit-han-lab/streaming-llm
+``StartRecentKVCache`` and ``pos_shift``): the first k tokens (the attention sinks) and the newest
+``window``, with keys stored BEFORE rotation; attention then places them at their positions in the
+cache, 0..n-1, and the query at its own (the last ones). Caching rotated keys instead leaves every
+key at the position it had when it was written, so once tokens between the sinks and the window
+are evicted the distances are no longer those of the cache (transformers#35350, TGI#1105).
 """
 from __future__ import annotations
 
@@ -25,16 +33,54 @@ class KVCache:
     Keys may be wider than values (PoPE's 2·d-wide keys).
     """
 
-    def __init__(self, layers: int, window: int | None = None) -> None:
+    def __init__(self, layers: int, window: int | None = None, sinks: int | None = None) -> None:
         if window is not None and int(window) < 1:
             raise ValueError(f"KV-cache window must be >= 1, got {window}; pass window=None for no limit")
+        if sinks is not None and (window is None or int(sinks) < 0):
+            raise ValueError(f"attention sinks need a window and sinks >= 0, got sinks={sinks}, window={window}")
         self.window = None if window is None else int(window)
+        self.sinks = None if sinks is None else int(sinks)
         self.k: list[torch.Tensor | None] = [None] * layers  # [B, H, Lc, D]
         self.v: list[torch.Tensor | None] = [None] * layers
         self.pos: list[torch.Tensor | None] = [None] * layers  # [Lc]
         self.content: list[torch.Tensor | None] = [None] * layers  # [B, H, Lc] positions from content
         self._buf: list[tuple | None] = [None] * layers  # (kbuf, vbuf, pbuf, cbuf | None) storage
         self._count = [0] * layers  # tokens written so far
+
+    def update(self, layer: int, scheme, q, k, v, pos, content=None):
+        """Add this call's q, k, v [B, H, L, D] at positions ``pos`` [L]; returns what attention takes,
+        ``(q, k, v, q_pos, k_pos, rotated)``. Without sinks: q and k rotated at their absolute positions,
+        the cached keys (rotated when written) and their positions. With sinks (module doc): q and the
+        keys unrotated, at their positions in the cache (``rotated`` False: attention rotates them)."""
+        if self.sinks is None:
+            q, k = scheme.rotate(q, k, pos, pos)  # cache rotated keys at their absolute positions
+            k, v, kpos = self.extend(layer, k, v, pos, content)
+            return q, k, v, pos, kpos, True
+        if content is not None or scheme.kind == "absolute":
+            raise ValueError(f"attention sinks re-place cached keys by position; scheme {scheme.name!r} takes "
+                             "its positions from the input (an embedding or the content), so it cannot")
+        k, v, _ = self._extend_sinks(layer, k, v, pos)  # [B, H, n, D] keys before rotation
+        n, L = k.shape[2], q.shape[2]
+        slots = torch.arange(n, device=k.device)  # [n] positions in the cache
+        return q, k, v, slots[n - L:], slots, False
+
+    def _extend_sinks(self, layer, k, v, pos):
+        """Append k, v [B, H, L, D], then keep the first ``sinks`` tokens and the newest ``window``:
+        returns (k, v, absolute positions) as attention sees them."""
+        L, old = k.shape[2], self.k[layer]
+        if old is not None:
+            k = torch.cat([old, k], dim=2)  # [B, H, n, D]
+            v = torch.cat([self.v[layer], v], dim=2)
+            pos = torch.cat([self.pos[layer], pos])
+        n, s, w = k.shape[2], self.sinks, self.window
+        if n > s + w:
+            if L > 1:  # the call's earlier queries would lose keys of their own window
+                raise ValueError(f"a KV cache with sinks takes one token per call once it holds sinks + window = "
+                                 f"{s + w} tokens; got {L} (prefill at most that many, then step)")
+            keep = torch.cat([torch.arange(s), torch.arange(n - w, n)]).to(k.device)  # [s + w] slots kept
+            k, v, pos = k[:, :, keep], v[:, :, keep], pos[keep]
+        self.k[layer], self.v[layer], self.pos[layer] = k, v, pos
+        return k, v, pos
 
     def last_content(self, layer: int) -> torch.Tensor | None:
         """[B, H] position from content of the newest cached token of ``layer``, or None."""

@@ -120,10 +120,9 @@ class Block(nn.Module):
         if cache is None:
             out, probs = attend(q, k, v, pos, pos, scheme, self.index, opts, bias,
                                 content=None if p is None else (p, p), **ex)
-        else:
-            q, k = scheme.rotate(q, k, pos, pos)  # cache rotated keys at their absolute positions
-            k, v, kpos = cache.extend(self.index, k, v, pos, p)
-            out, probs = attend(q, k, v, pos, kpos, scheme, self.index, opts, bias, rotate=False,
+        else:  # the cache says where its keys sit and whether it rotated them (sink tokens: not yet)
+            q, k, v, qpos, kpos, rotated = cache.update(self.index, scheme, q, k, v, pos, p)
+            out, probs = attend(q, k, v, qpos, kpos, scheme, self.index, opts, bias, rotate=not rotated,
                                 content=None if p is None else (p, cache.content[self.index]), **ex)
         y = self.proj(self.extras.gated(out.transpose(1, 2).reshape(B, L, C), h))  # [B, L, C]; gate: model.gate
         x = x + self.drop(y)
