@@ -121,3 +121,27 @@ def test_models_the_cached_window_cannot_serve_fail_in_one_line(folders):
         m(_ids(m, 5), cache=cache)
         with pytest.raises(UserError, match="one token per call"):
             m(_ids(m, 2), cache=cache)
+
+
+def test_bench_hf_times_dca_and_sinks(tmp_path, monkeypatch):
+    """`bench --hf --rope dca:C,w --sinks K:W`: DCA's E1 against plain E1 in the same rounds, and E5
+    decoding with sinks against transformers' rotated-key cache of the same size."""
+    import extrapolab.hf.bench as hb
+    from hf_tiny import write_tiny_gguf
+
+    monkeypatch.setattr(hb, "DECODE", 6)
+    path, _ = write_tiny_gguf(tmp_path / "b.gguf", "F32")
+    with pytest.raises(UserError, match="--sinks takes K:W"):
+        hb.bench_hf_eval(f"hf:{path}", [64], sinks="4")
+    with pytest.raises(UserError, match="more than L = 16"):
+        hb.bench_hf_eval(f"hf:{path}", [16], sinks="2:9")
+    res = hb.bench_hf_eval(f"hf:{path}", [64], windows=1, rounds=2, cache_dir=tmp_path / "c", ropes=["dca:20,3"],
+                           sinks="2:8")
+    row = res["rows"]["64"]
+    stream = torch.randint(0, res["meta"]["vocab"], (64 + 1,), generator=torch.Generator().manual_seed(64)).numpy()
+    m = open_hf(f"hf:{path}", rope="dca:20,3", cache_dir=tmp_path / "c")
+    assert row["ropes"]["dca:20,3"]["ppl"] == pytest.approx(nonoverlapping(m, stream, 64)["ppl"], rel=1e-6)
+    assert row["ropes"]["dca:20,3"]["twopass"] and row["sinks"]["decoded"] == 6
+    assert len(row["sinks"]["e5_s"]) == len(row["sinks"]["rotated_s"]) == 2
+    text = hb.format_hf_eval(res)
+    assert "three-pass --rope dca:20,3: E1" in text and "E5 with 2 sinks:" in text and "| 64 | 2 | 8 | 6 |" in text

@@ -46,7 +46,7 @@ def friendly(fn):
 #: ``extrapolab.train.dist.resolve_device`` and ``train.step.resolve_precision``)
 #: --rope on hf: models (hf/load.py parse_rope)
 ROPE_HELP = ("hf: only: RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S[,key=value], "
-             "longrope:S,long=[...], proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], logn; "
-             "join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
+             "longrope:S,long=[...], proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], "
+             "logn; join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when visible)")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 (auto: bf16 on a GPU that supports it, else fp32)")

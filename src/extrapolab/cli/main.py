@@ -190,7 +190,11 @@ def bench(
     lengths: str = typer.Option("2048", "--lengths", help="--hf: comma-separated lengths"),
     windows: int = typer.Option(1, "--windows", help="--hf: windows per length (one per batch)"),
     rope: Optional[List[str]] = typer.Option(None, "--rope", help="--hf: also E1 with this extension, timed against "
-                                             "plain E1 (repeatable; two-pass goal <= 2.2x), e.g. selfextend:3,2048"),
+                                             "plain E1 (repeatable; multi-pass goal <= 2.2x), e.g. selfextend:3,2048 "
+                                             "or dca:1024"),
+    sinks: Optional[str] = typer.Option(None, "--sinks", help="--hf: also E5 decoding with K attention sinks and a "
+                                        "W-token window (StreamingLLM), K:W, e.g. 4:1024, timed against "
+                                        "transformers' rotated-key cache of the same size"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
     from ..io import UserError, atomic_write_json
@@ -200,7 +204,8 @@ def bench(
         from .align import _ints
 
         res = bench_hf_eval(hf, _ints(lengths) or [2048], windows=windows, rounds=rounds or 3, device=device,
-                            threads=threads or None, ropes=rope or [], say=lambda m: typer.echo(m, err=True))
+                            threads=threads or None, ropes=rope or [], sinks=sinks,
+                            say=lambda m: typer.echo(m, err=True))
         atomic_write_json(out, res)
         typer.echo(format_hf_eval(res))
         return
