@@ -310,7 +310,8 @@ def test_hf_kv_cache_generation_equals_the_full_forward_and_defaults(llama):
 
 @pytest.mark.parametrize("bad,match", [("dca:100", "2 <= C <= L_tr"), ("dca:20,10", "w < C - w"),
                                        ("dca:20.5", "whole numbers"), ("dca:20,2,3", "at most 2"),
-                                       ("dca:20+rerope:6", "one two-pass or DCA"), ("dynamic:2+dca:20", "dynamic")])
+                                       ("dca:20+rerope:6", "one two-pass, dca or streaming"),
+                                       ("dynamic:2+dca:20", "dynamic")])
 def test_bad_dca_specs_fail_in_one_line(llama, bad, match):
     from extrapolab.io import UserError
 

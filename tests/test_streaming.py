@@ -22,9 +22,10 @@ from extrapolab import positional as P
 V = 29
 
 
-def _gpt(scheme="rotary", layers=1, dtype=torch.float64, **kw):
+def _gpt(scheme="rotary", layers=1, dtype=torch.float64, train_length=16, **kw):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, layers=layers, heads=2, dim=16, scheme=scheme, train_length=16, init_std=0.3, **kw)
+    cfg = ModelConfig(vocab_size=V, layers=layers, heads=2, dim=16, scheme=scheme, train_length=train_length,
+                      init_std=0.3, **kw)
     return GPT(cfg).eval().to(dtype)
 
 
@@ -131,3 +132,70 @@ def test_a_full_sink_cache_takes_one_token_per_call():
     with pytest.raises(ValueError, match="need a window"):
         KVCache(1, sinks=2)
     assert AttnOptions().window is None
+
+
+# ---- rotary-streaming: the same pattern in one parallel forward ----------------------------------
+def streaming_relative(L: int, k: int, w: int) -> torch.Tensor:
+    """R [L, L] of the rolling cache at query m: window keys at their distance, sinks from the query's
+    slot min(m, k + w - 1), every other key unseen (nan), written per (m, n) from the cache's slots."""
+    R = torch.full((L, L), float("nan"), dtype=torch.float64)
+    for m in range(L):
+        kept = list(range(m + 1)) if m < k + w else list(range(k)) + list(range(m - w + 1, m + 1))
+        slot = {n: i for i, n in enumerate(kept)}  # the cache after step m: slots 0..len-1 in order
+        for n in kept:
+            R[m, n] = slot[m] - slot[n]
+    return R
+
+
+def _dense(q, k, v, R, tau=1.0):
+    import math
+
+    Dh = q.shape[-1]
+    theta = 10000.0 ** (-torch.arange(0, Dh, 2, dtype=torch.float64) / Dh)
+    zq, zk = torch.complex(q[..., 0::2], q[..., 1::2]), torch.complex(k[..., 0::2], k[..., 1::2])
+    s = torch.einsum("bhmi,bhni,mni->bhmn", zq, zk.conj(), torch.exp(1j * R.nan_to_num(0)[..., None] * theta)).real
+    s = (s / math.sqrt(Dh)).masked_fill(R.isnan(), -math.inf)
+    return torch.softmax(s / tau, -1) @ v
+
+
+@pytest.mark.parametrize("sinks,w,block", [(4, 10, None), (2, 7, 5), (0, 9, 4), (5, 1, None)])
+def test_streaming_scheme_equals_the_cache_slots_with_gradients(sinks, w, block):
+    s = P.build("rotary-streaming", 3, sinks=sinks, w=w, original_length=32)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 45, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    pos = torch.arange(45)
+    out, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(block_size=block or 1024, temperature=0.9))
+    ref = _dense(q, k, v, streaming_relative(45, sinks, w), tau=0.9)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    gr = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), gr), torch.autograd.grad(ref, (q, k, v), gr)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    plain, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="plain", temperature=0.9))
+    torch.testing.assert_close(plain, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_e5_with_sinks_equals_one_parallel_forward_of_rotary_streaming(layers):
+    """Every layer: the rolling cache's keys are those of the parallel pattern (module doc of
+    positional/rotary_streaming.py), so E5 with sinks is this scheme's E1 on the same weights."""
+    g, tok = _gpt(layers=layers, dtype=torch.float32, train_length=64), _stream(3 * 48 + 1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, layers=layers, heads=2, dim=16, scheme="rotary-streaming",
+                      scheme_params={"sinks": 3, "w": 9}, train_length=64)
+    par = GPT(cfg).eval()
+    par.load_state_dict(g.state_dict())
+    c = cached_window_ppl(g, tok, 48, window=9, sinks=3, batch_size=3)
+    e1 = nonoverlapping(par, tok, 48)
+    assert c["tokens"] == e1["tokens"] and c["nll"] == pytest.approx(e1["nll"], rel=1e-6)
+    assert abs(nonoverlapping(g, tok, 48)["nll"] - e1["nll"]) > 1e-4  # the pattern restricts attention
+
+
+@pytest.mark.parametrize("opts,match", [({"sinks": 4, "w": 61}, "k \\+ w <= L_tr"), ({"sinks": -1}, "k >= 0"),
+                                        ({"w": 0}, "w >= 1"), ({"sinks": 1.5}, "whole numbers")])
+def test_bad_streaming_options_fail_in_one_line(opts, match):
+    from extrapolab.positional.base import SchemeError
+
+    with pytest.raises(SchemeError, match=match) as err:
+        P.build("rotary-streaming", 2, original_length=64, **opts)
+    assert "\n" not in str(err.value)
+    assert P.build("rotary-streaming", 2, original_length=64).options()["w"] == 60  # default: a cache of L_tr

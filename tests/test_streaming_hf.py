@@ -145,3 +145,20 @@ def test_bench_hf_times_dca_and_sinks(tmp_path, monkeypatch):
     assert len(row["sinks"]["e5_s"]) == len(row["sinks"]["rotated_s"]) == 2
     text = hb.format_hf_eval(res)
     assert "three-pass --rope dca:20,3: E1" in text and "E5 with 2 sinks:" in text and "| 64 | 2 | 8 | 6 |" in text
+
+
+def test_rolling_cache_equals_one_parallel_forward_with_rope_streaming(folders):
+    """Two layers: the rolling cache (sinks + window, keys rotated at their slots) gives the logits of
+    one forward of the same tokens with --rope streaming:K,W (positional/rotary_streaming.py)."""
+    m, par = _open(folders["llama"]), _open(folders["llama"], rope="streaming:3,7")
+    assert par.loaded.info["rope_extension"] == {"method": "streaming", "sinks": 3, "w": 7}
+    x = _ids(m, 45)
+    cache = m.new_cache(7, 3)
+    with torch.no_grad():
+        got = torch.cat([m(x[:, :10], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(10, 45)], 1)
+        want = par(x)
+    assert (got - want).abs().max() < 2e-5
+    assert (want - _open(folders["llama"])(x)).abs().max() > 1e-3
+    assert _open(folders["llama"], rope="streaming").loaded.info["rope_extension"]["w"] == MAXPOS - 4
+    with pytest.raises(UserError, match="k \\+ w <= L_tr"):
+        _open(folders["llama"], rope=f"streaming:4,{MAXPOS}")

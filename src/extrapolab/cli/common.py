@@ -47,6 +47,6 @@ def friendly(fn):
 #: --rope on hf: models (hf/load.py parse_rope)
 ROPE_HELP = ("hf: only: RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S[,key=value], "
              "longrope:S,long=[...], proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], "
-             "logn; join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
+             "streaming[:K[,W]], logn; join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when visible)")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 (auto: bf16 on a GPU that supports it, else fp32)")

@@ -52,7 +52,7 @@ from .load import parse_rope
 GOAL_RATIO = 1.10
 GOAL_RSS_GIB = 2.5
 GOAL_TWOPASS = 2.2
-TWOPASS = ("selfextend", "rerope", "dca")  # --rope parts that run more than one attention pass
+TWOPASS = ("selfextend", "rerope", "dca", "streaming")  # --rope parts that run more than one attention pass
 DECODE = 128  # tokens decoded one at a time by the --sinks rows
 
 

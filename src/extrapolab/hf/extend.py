@@ -1,7 +1,8 @@
 """Training-free context extension inside Hugging Face RoPE models, through transformers' own
 attention-function registry (``AttentionInterface.register``), never a copied or patched class.
 
-``--rope selfextend:G,w | rerope:w | rerope-leaky:w,k | dca:C,w | logn`` (hf/load.py) loads the model with
+``--rope selfextend:G,w | rerope:w | rerope-leaky:w,k | dca:C,w | streaming:K,W | logn`` (hf/load.py) loads the
+model with
 ``attn_implementation="extrapolab"``: every attention layer then calls :func:`extend_attention`
 with the q, k Hugging Face has already rotated (pairs (i, i + d/2), its ``rotate_half`` layout,
 with the rope type's attention factor inside cos/sin), v, the module's ``scaling`` and its
@@ -12,8 +13,9 @@ and runs our :func:`extrapolab.model.attention.attend` with :class:`HFRope`, who
 * ``rotate``: nothing to rotate (Hugging Face did), only the log-n factor on q
   (``positional.rotary.logn_scale``: max(1, log(m + 1)/log L_tr), the ReRoPE and Self-Extend patches);
 * ``second_pass``: Self-Extend (Jin et al. 2024, arXiv 2401.01325, Algorithm 1), ReRoPE / leaky
-  ReRoPE (Su 2023, github.com/bojone/rerope) or dual chunk attention (An et al. 2024, arXiv
-  2402.17463, eqs. 2-8; positional/rotary_dca.py): re-rotating the rotated q, k by the angle
+  ReRoPE (Su 2023, github.com/bojone/rerope), dual chunk attention (An et al. 2024, arXiv
+  2402.17463, eqs. 2-8; positional/rotary_dca.py) or StreamingLLM's sinks + window (Xiao et al.
+  2024, arXiv 2309.17453; positional/rotary_streaming.py): re-rotating the rotated q, k by the angle
   (p' - m)·theta_i puts them at each pass's positions p' exactly (positional/rope_twopass.py), with
   the model's own inverse frequencies read from its rotary embedding at load time.
 
@@ -56,13 +58,14 @@ from ..model.attention import AttnOptions, attend
 from ..positional.base import PositionalScheme, SchemeError
 from ..positional.rope_twopass import FarRule, Passes, check_rule, selfextend_max_length, shift_by
 from ..positional.rotary_dca import ChunkRule, check_chunk_rule
+from ..positional.rotary_streaming import SinkRule, check_sink_rule
 from ..positional.rotary import logn_scale
 
 ATTN = "extrapolab"  #: the attn_implementation name registered with transformers
 OPTS_KWARG = "extrapolab_opts"  #: forward keyword carrying an AttnOptions (temperature, logits sink)
 CHOOSE_KWARG = "extrapolab_layer_tau"  #: forward keyword: a callable choosing each layer's tau (module doc)
 STREAM_KWARG = "extrapolab_in_cache"  #: forward keyword: keys cached unrotated, placed by cache slot (hf/cached.py)
-TWOPASS = ("selfextend", "rerope", "rerope-leaky", "dca")  #: methods that run attention in several passes
+TWOPASS = ("selfextend", "rerope", "rerope-leaky", "dca", "streaming")  #: methods that run attention in several passes
 
 
 class HFRope(PositionalScheme):
@@ -73,7 +76,8 @@ class HFRope(PositionalScheme):
     paper = "Hugging Face RoPE; Self-Extend (Jin et al. 2024), ReRoPE (Su 2023), DCA (An et al. 2024), log-n"
     summary = "q, k rotated by the model; log-n factor on q; each pass's positions by re-rotation"
 
-    def __init__(self, num_heads: int, rule: FarRule | ChunkRule | None = None, inv_freq: torch.Tensor | None = None,
+    def __init__(self, num_heads: int, rule: FarRule | ChunkRule | SinkRule | None = None,
+                 inv_freq: torch.Tensor | None = None,
                  logn_length: int | None = None) -> None:
         super().__init__(num_heads)
         self.rule, self.inv_freq, self.logn_length = rule, inv_freq, logn_length
@@ -86,7 +90,9 @@ class HFRope(PositionalScheme):
         return q, k
 
     def second_pass(self):
-        return None if self.rule is None else Passes(self.rule.passes(), self._shift)
+        if self.rule is None:
+            return None
+        return Passes(self.rule.passes(), self._shift, getattr(self.rule, "complete", True))
 
     def _shift(self, x, delta):
         return shift_by(x, delta, self.inv_freq, halves=True)
@@ -98,6 +104,8 @@ def _scheme(key: str, heads: int) -> HFRope:
     rule = None
     if spec.get("method") == "dca":
         rule = ChunkRule(int(spec["chunk"]), int(spec["w"]))
+    elif spec.get("method") == "streaming":
+        rule = SinkRule(int(spec["sinks"]), int(spec["w"]))
     elif spec.get("method"):
         rule = FarRule(spec["method"], int(spec["w"]), int(spec.get("G", 1)), float(spec.get("k", 1.0)))
     inv = torch.tensor(spec["inv_freq"], dtype=torch.float64) if spec.get("inv_freq") else None
@@ -173,7 +181,7 @@ def causal_only_mask(*args, attention_mask=None, **kwargs):
     mask is refused with one line (the keys are taken to be consecutive positions)."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise UserError("padded batches are not supported by the extrapolab attention (--rope selfextend / "
-                        "rerope / dca / logn); score sequences of equal length without an attention_mask")
+                        "rerope / dca / streaming / logn); score sequences of equal length without an attention_mask")
     return None
 
 
@@ -211,6 +219,8 @@ def install(model, method: str | None, params: dict, logn: int | None, train_len
         try:
             if method == "dca":
                 rule = check_chunk_rule(params["chunk"], params.get("w"), train_length, label="--rope dca")
+            elif method == "streaming":
+                rule = check_sink_rule(params["sinks"], params.get("w"), train_length, label="--rope streaming")
             else:
                 rule = check_rule(method, params["w"], train_length, int(params.get("G", 1)),
                                   float(params.get("k", 1.0)), label=f"--rope {method}")

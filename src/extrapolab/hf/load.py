@@ -29,9 +29,11 @@ The extensions HF has no rope type for run in transformers' attention-function r
 (:mod:`.extend`): ``selfextend:G,w`` (Self-Extend, Jin et al. 2024; w defaults to L_tr/4),
 ``rerope:w`` and ``rerope-leaky:w,k`` (ReRoPE, Su 2023; w defaults to L_tr/8, k to 16),
 ``dca:C,w`` (dual chunk attention, An et al. 2024: largest query position C, default 3/4·L_tr, local
-window w, default C/6, as ChunkLlama) and ``logn`` (q x max(1, log(m+1)/log L_tr); ``logn:L`` names
-L_tr). Parts combine with ``+``: at most one rewrite, one multi-pass method and ``logn``, e.g.
-``--rope rerope:512+logn`` (the ReRoPE patch) or ``--rope yarn:2+logn``; a multi-pass method with
+window w, default C/6, as ChunkLlama), ``streaming:K,W`` (StreamingLLM's pattern, Xiao et al. 2024:
+K attention sinks, default 4, and a window of W keys, default L_tr - K) and ``logn`` (q x max(1,
+log(m+1)/log L_tr); ``logn:L`` names L_tr). Parts combine with ``+``: at most one rewrite, one
+multi-pass method and ``logn``, e.g. ``--rope rerope:512+logn`` (the ReRoPE patch) or ``--rope
+yarn:2+logn``; a multi-pass method with
 ``dynamic`` or ``longrope`` is refused (their frequencies change with the length). Such a model is
 loaded with ``attn_implementation="extrapolab"``.
 """
@@ -57,8 +59,8 @@ POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt"
              "gptj": "rope", "phi3": "rope", "gemma": "rope", "gemma2": "rope", "gemma3_text": "rope",
              "bloom": "alibi", "mpt": "alibi"}
 ROPE_KINDS = rope_kinds.KINDS
-ROPE_SYNTAX = (f"{rope_kinds.SYNTAX}, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], logn[:L_tr], "
-               "joined by +")
+ROPE_SYNTAX = (f"{rope_kinds.SYNTAX}, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], "
+               "streaming[:K[,W]], logn[:L_tr], joined by +")
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
 
@@ -146,7 +148,7 @@ class RopeSpec:
     text: str
     rewrite: tuple[str, float | None] | None = None  # (kind, factor; proportional: the fraction p)
     rewrite_params: dict = field(default_factory=dict)  # its key=value fields, as rope_parameters keys
-    method: str | None = None  # selfextend | rerope | rerope-leaky | dca
+    method: str | None = None  # selfextend | rerope | rerope-leaky | dca | streaming
     params: dict = field(default_factory=dict)  # G, w, k, chunk as given (an absent one: the default)
     logn: int | None = None  # None off, 0 = the model's L_tr, else the L_tr to use
 
@@ -182,15 +184,17 @@ def parse_rope(spec: str) -> RopeSpec:
             out["rewrite"], out["rewrite_params"] = (kind, factor), fields
         elif kind in extend.TWOPASS:
             if out["method"]:
-                raise UserError(f"--rope takes one two-pass or DCA method (multi-pass); got {text!r}")
+                raise UserError(f"--rope takes one two-pass, dca or streaming method (they run several passes); "
+                                f"got {text!r}")
             nums = _numbers(kind, args, 2 if kind != "rerope" else 1, text)
-            names = {"selfextend": ("G", "w"), "dca": ("chunk", "w")}.get(kind, ("w", "k"))
+            names = {"selfextend": ("G", "w"), "dca": ("chunk", "w"), "streaming": ("sinks", "w")}.get(kind,
+                                                                                                  ("w", "k"))
             if kind == "selfextend" and not nums:
                 raise UserError(f"--rope selfextend needs the group size: selfextend:G[,w], e.g. selfextend:4,1024; "
                                 f"got {text!r}")
             params = dict(zip(names, nums))
-            if any(float(params[p]) != int(params[p]) for p in ("G", "w", "chunk") if p in params):
-                raise UserError(f"--rope {kind}: G, C and w are whole numbers of tokens; got {text!r}")
+            if any(float(params[p]) != int(params[p]) for p in ("G", "w", "chunk", "sinks") if p in params):
+                raise UserError(f"--rope {kind}: G, C, K and w are whole numbers of tokens; got {text!r}")
             out["method"], out["params"] = kind, params
         elif kind == "logn" and out["logn"] is None:
             L = _numbers(kind, args, 1, text)
@@ -311,6 +315,8 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
             raise UserError(f"--rope {spec.text} needs the training length; pass --train-length")
         if spec.method == "dca":
             params = {"chunk": default_chunk(L_tr), "w": None, **spec.params}
+        elif spec.method == "streaming":
+            params = {"sinks": 4, "w": None, **spec.params}
         else:
             params = {"w": max(1, L_tr // (4 if spec.method == "selfextend" else 8)), "k": 16.0, **spec.params}
         logn = None if spec.logn is None else (spec.logn or L_tr)

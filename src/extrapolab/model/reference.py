@@ -154,6 +154,9 @@ def block_logits(q, k, q_pos, k_pos, scheme: PositionalScheme, layer: int = 0, w
         for p, (qp, kp) in zip(multi.passes, multi.moved(q, k, q_pos, k_pos)):  # [B, H, Lq|Lk, D] each
             if qp is not q or kp is not k:  # a pass that moves nothing is plain RoPE: s already
                 s = torch.where(p.region(q_pos, k_pos), torch.matmul(qp * scale, kp.transpose(-1, -2)), s)
+        if not multi.complete:  # keys of no pass are not seen (StreamingLLM: neither sink nor window)
+            seen = torch.stack([p.region(q_pos, k_pos) for p in multi.passes]).any(0)  # [Lq, Lk]
+            s = s.masked_fill(~seen, -math.inf)
     weight, add = logit_terms(scheme, q_pos, k_pos, layer, window, bias)
     if weight is not None:
         s = s * weight.to(s.dtype)

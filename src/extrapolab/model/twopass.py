@@ -54,7 +54,7 @@ def block_plan(passes, Lq: int, Lk: int, a: int, window: int | None, block: int)
     at the last query): ``(r0, r1, calls)``, each call ``(i, ra, rb, lo, hi, band)``: pass i over rows
     ra..rb-1 and keys lo..hi-1, ``band`` = (d_lo, d_hi) of its Hankel mask or None when every key of
     the call is visible to every row. Rows without a key in a pass get no call of it; blocks end at
-    every chunk boundary of a pass with chunks."""
+    every chunk boundary of a pass with chunks; keys of no pass are in no call (not seen)."""
     top = a + Lq - 1  # position of row 0
     c = top + 1 - Lk  # position of key 0
     win = math.inf if window is None else int(window)
@@ -67,6 +67,9 @@ def block_plan(passes, Lq: int, Lk: int, a: int, window: int | None, block: int)
         calls = []
         for i, p in enumerate(passes):
             s_lo, s_hi = c, top + 1  # the pass's keys are positions s_lo..s_hi-1 ...
+            if p.keys is not None:  # ... its own range of positions ...
+                s_lo = max(s_lo, p.keys[0])
+                s_hi = s_hi if p.keys[1] is None else min(s_hi, p.keys[1])
             if p.chunk:  # ... its chunks, counted back from the block's
                 C = m_top // p.chunk
                 if p.c_hi is not None:

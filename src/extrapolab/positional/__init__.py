@@ -21,6 +21,7 @@ from . import rotary_selfextend  # noqa: F401  Self-Extend (two passes)
 from . import rotary_rerope  # noqa: F401  ReRoPE (two passes)
 from . import rotary_rerope_leaky  # noqa: F401  leaky ReRoPE (two passes)
 from . import rotary_dca  # noqa: F401  dual chunk attention (three passes)
+from . import rotary_streaming  # noqa: F401  StreamingLLM: attention sinks + window (two passes, the rest unseen)
 from . import t5  # noqa: F401
 from . import alibi  # noqa: F401
 from . import windowed  # noqa: F401

@@ -46,11 +46,11 @@ class Pass:
     """One pass of a multi-pass scheme: the keys it scores and where q and k sit for them.
 
     A query at m scores the key at n in this pass when the distance d = m - n lies in
-    [d_lo, d_hi) (d_hi None: unbounded) and, with a chunk length ``chunk`` = s, the key's chunk
-    floor(n/s) lies c_lo..c_hi chunks before the query's floor(m/s) (c_hi None: unbounded).
-    ``q_at`` / ``k_at`` map positions to the (float64) positions q and k are rotated to for this
-    pass; None leaves them where plain RoPE put them. The passes of a scheme partition the causal
-    keys of every query."""
+    [d_lo, d_hi) (d_hi None: unbounded), with a chunk length ``chunk`` = s the key's chunk
+    floor(n/s) lies c_lo..c_hi chunks before the query's floor(m/s) (c_hi None: unbounded), and
+    with ``keys`` = (lo, hi) the key's own position lies in [lo, hi). ``q_at`` / ``k_at`` map
+    positions to the (float64) positions q and k are rotated to for this pass; None leaves them
+    where plain RoPE put them. No key is in two passes of a scheme; a key in none is not seen."""
 
     d_lo: int = 0
     d_hi: int | None = None
@@ -59,6 +59,7 @@ class Pass:
     c_hi: int | None = None
     q_at: Callable[[torch.Tensor], torch.Tensor] | None = None
     k_at: Callable[[torch.Tensor], torch.Tensor] | None = None
+    keys: tuple[int, int | None] | None = None
 
     def region(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """[Lq, Lk] bool: True where this pass scores the key (causality aside)."""
@@ -72,16 +73,21 @@ class Pass:
             ok = ok & (c >= self.c_lo)
             if self.c_hi is not None:
                 ok = ok & (c <= self.c_hi)
+        if self.keys is not None:
+            lo, hi = self.keys
+            ok = ok & (k_pos >= lo)[None, :] & (True if hi is None else (k_pos < hi)[None, :])
         return ok
 
 
 @dataclass(frozen=True)
 class Passes:
     """What ``second_pass()`` returns: the passes, and ``shift(x, delta)`` rotating x [..., L, d]
-    by ``delta`` [L] (float64) positions in the scheme's layout and frequencies."""
+    by ``delta`` [L] (float64) positions in the scheme's layout and frequencies. ``complete``: the
+    passes cover every causal key (else the keys of no pass are masked: StreamingLLM's pattern)."""
 
     passes: tuple[Pass, ...]
     shift: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    complete: bool = True
 
     def moved(self, q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor):
         """[(q_i, k_i)] per pass: q [B,H,Lq,D], k [B,H,Lk,D] moved to the pass's positions; a pass
@@ -219,7 +225,7 @@ class MultiPassRotary(Rotary):
         self.original_length = check_original_length(self.name, original_length)
 
     def second_pass(self) -> Passes:
-        return Passes(self.rule.passes(), self._shift)
+        return Passes(self.rule.passes(), self._shift, getattr(self.rule, "complete", True))
 
     def _shift(self, x, delta):
         inv = self.inv_freq(x.shape[-1], None)  # [d/2] float64, the frequencies rotate() used
