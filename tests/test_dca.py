@@ -318,3 +318,14 @@ def test_bad_dca_specs_fail_in_one_line(llama, bad, match):
     with pytest.raises(UserError, match=match) as err:
         _open(llama, rope=bad)
     assert "\n" not in str(err.value)
+
+
+def test_align_rope_takes_dca_and_streaming_with_their_reference_defaults():
+    from extrapolab.align.rope_study import METHODS, method_setup
+    from extrapolab.align.rope_report import LABELS
+
+    s, tau = method_setup("dca", 128, 512, 4, {})
+    assert (s.name, s.rule.chunk, s.rule.window, s.original_length, tau) == ("rotary-dca", 96, 16, 128, 1.0)
+    s, tau = method_setup("streaming", 128, 512, 4, {})
+    assert (s.name, s.rule.sinks, s.rule.window, tau) == ("rotary-streaming", 4, 124, 1.0)
+    assert set(METHODS) <= set(LABELS)

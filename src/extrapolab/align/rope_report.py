@@ -28,6 +28,7 @@ LABELS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-awa
           "yarn": "YaRN", "yarn-ramp": "YaRN ramp, no temperature", "pmax": "τ: Alg. 1 P_max",
           "entropy": "τ: Alg. 1 H", "length": "τ: log_L L_tr", "selfextend": "Self-Extend (w = L_tr/4)",
           "rerope": "ReRoPE + log-n (w = L_tr/8)", "rerope-leaky": "leaky ReRoPE + log-n (k = 16)",
+          "dca": "DCA (C = 3/4·L_tr, w = C/6)", "streaming": "StreamingLLM (4 sinks + L_tr - 4)",
           "logn": "RoPE + log-n"}
 
 

@@ -23,7 +23,9 @@ without its temperature; ``pmax``, ``entropy`` Algorithm 1's tau; ``length`` tau
 the two-pass methods (positional/rope_twopass.py, ``default_settings``): ``selfextend`` (Jin et al.
 2024; w = L_tr/4, the smallest G whose (L_tr - w)·G + w covers L, so G = 1 = plain RoPE at L_tr;
 the cell records that maximum length), ``rerope`` and ``rerope-leaky`` (Su 2023; w = L_tr/8, k = 16,
-with log-n scaling as in the ReRoPE patches); ``logn`` plain RoPE with log-n scaling of q.
+with log-n scaling as in the ReRoPE patches); ``dca`` dual chunk attention (An et al. 2024; C = 3/4·L_tr,
+w = C/6, as ChunkLlama); ``streaming`` StreamingLLM's 4 sinks + a window of L_tr - 4 (Xiao et al. 2024,
+positional/rotary_streaming.py); ``logn`` plain RoPE with log-n scaling of q.
 Every stage is stored as JSON keyed by the trained model and its settings, so a run resumes.
 """
 from __future__ import annotations
@@ -63,6 +65,8 @@ METHODS = {
     "selfextend": ("rotary-selfextend", False, None),
     "rerope": ("rotary-rerope", False, None),
     "rerope-leaky": ("rotary-rerope-leaky", False, None),
+    "dca": ("rotary-dca", False, None),
+    "streaming": ("rotary-streaming", False, None),
     "logn": ("rotary", False, None),
 }
 
@@ -112,6 +116,8 @@ def method_setup(method: str, train_length: int, length: int, heads: int, taus: 
         params["attention_factor"] = 1.0
     if method in ("selfextend", "rerope", "rerope-leaky"):
         params.update(default_settings(method, train_length, length), original_length=train_length)
+    if method in ("dca", "streaming"):  # their defaults: ChunkLlama's C = 3/4·L_tr, w = C/6; 4 sinks + L_tr - 4
+        params["original_length"] = train_length
     if method in ("rerope", "rerope-leaky", "logn"):  # the ReRoPE patches scale q by log-n
         params.update(logn=True, original_length=train_length)
     tau = 1.0 if rule is None else taus.get(rule, {}).get(length)
