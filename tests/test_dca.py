@@ -329,3 +329,16 @@ def test_align_rope_takes_dca_and_streaming_with_their_reference_defaults():
     s, tau = method_setup("streaming", 128, 512, 4, {})
     assert (s.name, s.rule.sinks, s.rule.window, tau) == ("rotary-streaming", 4, 124, 1.0)
     assert set(METHODS) <= set(LABELS)
+
+
+def test_extension_study_takes_dca_and_streaming_when_named():
+    """`align rope hf:PATH --set extend.methods=[..., dca, streaming]`: their --rope settings per length;
+    off by default (the published runs did not have them)."""
+    from extrapolab.align.extend_cells import METHODS, setting
+    from extrapolab.align.extend_study import ExtendSpec
+
+    L = 8192
+    assert setting("dca", L, L).rope == setting("dca", 4 * L, L).rope == "dca:6144"  # differs at 1x too
+    assert setting("streaming", L, L).rope is None  # 4 sinks + L - 4: every key at its own distance
+    assert setting("streaming", 2 * L, L).rope == "streaming:4,8188"
+    assert {"dca", "streaming"} <= set(METHODS) and not {"dca", "streaming"} & set(ExtendSpec().methods)

@@ -199,3 +199,15 @@ def test_bad_streaming_options_fail_in_one_line(opts, match):
         P.build("rotary-streaming", 2, original_length=64, **opts)
     assert "\n" not in str(err.value)
     assert P.build("rotary-streaming", 2, original_length=64).options()["w"] == 60  # default: a cache of L_tr
+
+
+def test_streaming_with_a_cache_of_l_tr_is_plain_rope_up_to_l_tr():
+    """4 sinks + a window of L_tr - 4 sees every key of an input of L_tr tokens at its own distance
+    (the extension study's 1x cell is plain RoPE's); one token more and the pattern acts."""
+    s, rope = P.build("rotary-streaming", 2, original_length=32), P.build("rotary", 2)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = torch.arange(40)
+    a, b = attend(q, k, v, pos, pos, s, 0)[0], attend(q, k, v, pos, pos, rope, 0)[0]
+    torch.testing.assert_close(a[:, :, :32], b[:, :, :32], rtol=0, atol=1e-12)
+    assert (a[:, :, 32:] - b[:, :, 32:]).abs().max() > 1e-4

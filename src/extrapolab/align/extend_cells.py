@@ -9,8 +9,10 @@ method is s = L / L_ctx, L_ctx being the model's context (its config's ``max_pos
 what a user who wants L tokens would set. Cells whose settings coincide are computed once:
 
 * at L <= L_ctx, PI / NTK-aware / YaRN with s = 1, dynamic NTK (s = max(1, L/L_ctx)), log-n
-  (max(1, log(m+1)/log L_ctx) = 1 for m < L_ctx), Self-Extend with G = 1 and both temperature
-  rules (tau = 1) ARE plain RoPE; only ReRoPE (w = L_ctx/8 caps every distance) differs;
+  (max(1, log(m+1)/log L_ctx) = 1 for m < L_ctx), Self-Extend with G = 1, StreamingLLM's pattern
+  (4 sinks + a window of L_ctx - 4 covers every key at its own distance) and both temperature rules
+  (tau = 1) ARE plain RoPE; only ReRoPE (w = L_ctx/8 caps every distance) and DCA (chunks of
+  5/8·L_ctx) differ;
 * dynamic NTK recomputes s from the input length (HF's ``dynamic`` type, factor 1:
   base·(L/L_ctx)^(d/(d-2))); every window here is one forward of exactly L tokens, so it is
   NTK-aware with s = L/L_ctx (tests/test_extend_study.py checks the logits), the same cell.
@@ -44,8 +46,11 @@ from ..model.attention import AttnOptions
 #: method -> label in the tables
 METHODS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
            "yarn": "YaRN", "selfextend": "Self-Extend (w = L_ctx/4)", "rerope": "ReRoPE + log-n (w = L_ctx/8)",
+           "dca": "DCA (C = 3/4·L_ctx, w = C/6)", "streaming": "StreamingLLM (4 sinks + L_ctx - 4)",
            "logn": "RoPE + log-n", "pmax": "τ: Alg. 1 P_max", "entropy": "τ: Alg. 1 H",
            "pmax-layer": "τ: Alg. 1 P_max per layer (variant)", "length": "τ: log L_ctx / log L"}
+#: methods the study runs only when extend.methods names them (added after the published runs)
+OPT_IN = ("dca", "streaming")
 #: methods whose tau Algorithm 1 sets from the model's statistics at L (the thesis' one tau per length,
 #: or the per-layer variant); the others need nothing measured
 ALIGNED = ("pmax", "entropy", "pmax-layer")
@@ -75,6 +80,8 @@ def setting(method: str, L: int, L_ctx: int, align_tau: dict | None = None) -> S
         raise UserError(f"unknown extend.methods entry {method!r}; choose from {', '.join(METHODS)}")
     if method == "rerope":  # Su's patch: w = 512 of 4,096, i.e. L_ctx/8, with log-n
         return Setting(f"rerope:{max(1, L_ctx // 8)}+logn")
+    if method == "dca":  # ChunkLlama's chunk_size 3/4·L_ctx, local window C/6 (its L_ctx/8)
+        return Setting(f"dca:{max(2, 3 * L_ctx // 4)}")
     if not ext or method == "rope":
         return Setting(None)
     if method in ("pi", "ntk", "dynamic", "yarn"):
@@ -86,6 +93,8 @@ def setting(method: str, L: int, L_ctx: int, align_tau: dict | None = None) -> S
         return Setting(f"selfextend:{G},{w}")
     if method == "logn":
         return Setting("logn")
+    if method == "streaming":  # a cache of L_ctx: 4 sinks (the paper's) and the newest L_ctx - 4
+        return Setting(f"streaming:4,{L_ctx - 4}")
     if method == "length":
         return Setting(None, math.log(L_ctx) / math.log(L))
     taus = (align_tau or {}).get(method, {}).get(str(L))

@@ -44,7 +44,8 @@ import torch
 from .. import config as C
 from ..io import UserError, atomic_write_json
 from .experiment import _sayer, _Stages, load_study_preset
-from .extend_cells import ALIGNED, METHODS, Models, erf_record, passkey_records, score_cell, setting, window_ends
+from .extend_cells import (ALIGNED, METHODS, OPT_IN, Models, erf_record, passkey_records, score_cell, setting,
+                           window_ends)
 from .extend_plan import Plan
 
 SECTION = "extend"
@@ -54,7 +55,7 @@ SECTION = "extend"
 class ExtendSpec:
     context: int = 0  # L_ctx: 0 = the model's config (max_position_embeddings); else the L_tr to extend from
     corpora: list[str] = field(default_factory=lambda: ["pydoc", "stdlib"])  # prose, code; the first feeds Alg. 1
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: [m for m in METHODS if m not in OPT_IN])
     full_factors: list[float] = field(default_factory=lambda: [1.0, 2.0])  # L = f x L_ctx, every method
     long_factors: list[float] = field(default_factory=lambda: [4.0])  # the methods that held at the factor before
     windows: int = 1  # windows per (method, L, corpus): E1 over them, E3 at their ends, E4 per position
