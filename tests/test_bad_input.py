@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 100 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 106 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -33,6 +33,9 @@ head size it was not built for; selective attention on a scheme with positions f
 out of range and under eval.bca; a bench row setting a model field that is not an option.
 RULER's synthetic tasks (6): an unknown task, a task that needs a download, a length the task does not
 fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cannot encode text.
+DCA and StreamingLLM's sink tokens (6): a DCA chunk past L_tr, a local window as wide as the chunks,
+sinks plus window past L_tr (schemes); eval.sinks below -1, eval.sinks on a learned-position run; bench --hf
+--sinks without a window.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -717,6 +720,36 @@ def test_rope_kind_specs_are_one_line(case, spec, needles):
     else:
         cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=48)  # head 8: 4 pairs
     raises(case, lambda: apply_rope(cfg, spec), *needles)
+
+
+@pytest.mark.parametrize("case, name, opts, needles", [
+    ("DCA chunk past L_tr", "rotary-dca", {"chunk": 80}, ["2 <= C <= L_tr = 64", "C = 48"]),
+    ("DCA local window as wide as its chunks", "rotary-dca", {"chunk": 40, "w": 20}, ["w < C - w", "w = 6"]),
+    ("StreamingLLM sinks + window past L_tr", "rotary-streaming", {"sinks": 4, "w": 61},
+     ["k + w <= L_tr = 64", "w = 60"]),
+])
+def test_dca_and_streaming_options_are_one_line(case, name, opts, needles):
+    raises(case, lambda: build(name, num_heads=2, original_length=64, **opts), *needles)
+
+
+@pytest.mark.parametrize("case, scheme, sinks, needles", [
+    ("eval.sinks below -1", "rotary", -3, ["-1 (off)", "e.g. 4"]),
+    ("eval.sinks on a learned-position run", "learned", 4, ["takes positions from the input", "eval.sinks=-1"]),
+])
+def test_attention_sinks_settings_are_one_line(case, scheme, sinks, needles):
+    from extrapolab.model.gpt import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    g = GPT(ModelConfig(vocab_size=17, layers=1, heads=2, dim=8, scheme=scheme, train_length=16)).eval()
+    tok = torch.randint(0, 17, (200,)).numpy()
+    raises(case, lambda: evaluate(g, tok, train_length=16, protocols=["cached"], lengths=[32], sinks=sinks),
+           *needles)
+
+
+def test_bench_sinks_spec_is_one_line():
+    from extrapolab.hf.bench import parse_sinks
+
+    raises("bench --hf --sinks without a window", lambda: parse_sinks("4"), "--sinks takes K:W", "4:1024")
 
 
 def test_sweep_time_budget_with_workers_is_one_line():
