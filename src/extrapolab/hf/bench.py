@@ -78,7 +78,7 @@ def parse_sinks(text: str | None) -> tuple[int, int] | None:
     return K, W
 
 
-def _sink_jobs(spec, plain, sink_model, stream, K: int, W: int) -> dict:
+def _sink_jobs(plain, sink_model, stream, K: int, W: int) -> dict:
     """The two --sinks jobs (module doc) over the stream's first K + W + DECODE tokens."""
     from transformers import DynamicCache
 
@@ -149,7 +149,7 @@ def bench_hf_eval(spec: str, lengths=(2048,), *, windows: int = 1, rounds: int =
         jobs, extra = {"e1": e1, "bare": bare}, {}
         if sink_kw:  # its own model (switched to our attention function), sharing the weights
             sink_model = _with_rope(spec, None, model, device=device, dtype=dtype, cache_dir=cache_dir)
-            jobs.update(_sink_jobs(spec, model, sink_model, stream, *sink_kw))
+            jobs.update(_sink_jobs(model, sink_model, stream, *sink_kw))
         for r in ropes:  # loaded now: the plain probes above saw one copy of the weights
             mr = _with_rope(spec, r, model, device=device, dtype=dtype, cache_dir=cache_dir)
             jobs[f"e1 {r}"] = lambda mr=mr: nonoverlapping(mr, stream, L, batch_size=1)
