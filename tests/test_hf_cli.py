@@ -70,7 +70,7 @@ def test_learned_positions_refuse_with_exit_2(env):
 
 @pytest.mark.parametrize("args", [["eval", "hf:/no/such/folder"], ["align", "hf:/no/such/folder"],
                                   ["eval", "hf:{gpt2}", "--rope", "linear:4"],
-                                  ["eval", "hf:{llama}", "--protocol", "cached"],
+                                  ["eval", "hf:{gpt2}", "--protocol", "cached"],  # E5 on hf: RoPE models only
                                   ["eval", "hf:{llama}", "--temperature", "auto", "--out", "{root}/none"],
                                   ["align", "retrieval", "hf:{llama}", "--rules", "pmax", "--out", "{root}/none"]])
 def test_bad_input_is_one_line(env, args):
