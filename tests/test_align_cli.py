@@ -10,7 +10,7 @@ from extrapolab.cli.main import app as main_app
 from extrapolab.config import resolve
 from extrapolab.data import TokenData
 from extrapolab.align.algorithm import load_temperature
-from extrapolab.align.retrieval import retrieval_stream
+from extrapolab.tasks.retrieval import retrieval_stream
 from extrapolab.train import train
 
 

@@ -1,4 +1,4 @@
-"""`extrapolab align rope hf:PATH --preset extend-smoke` end to end on a tiny random Llama (L_ctx = 256,
+"""`extrapolab extend hf:PATH --preset extend-smoke` end to end on a tiny random Llama (L_ctx = 256,
 a chat template) and two small corpora, plus the facts the study relies on: dynamic NTK in one forward
 is NTK-aware at s = L/L_ctx, E1/E3/E4 from one forward per window equal the eval protocols,
 teacher-forced passkey scoring is greedy exact match, the checkpointed last-token ERF equals the
@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 from hf_tiny import TEXT, save_tiny, tokenizer  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from extrapolab.align.extend_cells import passkey_records, score_cell, setting  # noqa: E402
-from extrapolab.align.extend_study import load_extend_preset, run_extend_study  # noqa: E402
-from extrapolab.align.retrieval import greedy, make_examples  # noqa: E402
+from extrapolab.extend.cells import passkey_records, score_cell, setting  # noqa: E402
+from extrapolab.extend.study import load_extend_preset, run_extend_study  # noqa: E402
+from extrapolab.tasks.retrieval import greedy, make_examples  # noqa: E402
 from extrapolab.align.rules import GRID  # noqa: E402
 from extrapolab.cli.main import app  # noqa: E402
 from extrapolab.eval import last_token, nonoverlapping  # noqa: E402
@@ -154,10 +154,10 @@ def test_report_files_and_resume_through_the_cli(smoke):
     assert (out / "tail.csv").is_file() and "token_acc" in (out / "passkey.csv").read_text()
     md = (out / "report.md").read_text()
     for needle in ("holds at 512 (2x)", "extend-smoke", "last-L_ctx ppl / plain RoPE", "Self-Extend", "dynamic NTK",
-                   "τ: Alg. 1 P_max", "Wall time", "sha256", "extrapolab align rope hf:"):
+                   "τ: Alg. 1 P_max", "Wall time", "sha256", "extrapolab extend hf:"):
         assert needle in md, needle
     assert {row["method"] for row in _rows(out / "e1.csv")} == set(METHODS)
-    r = CliRunner().invoke(app, ["align", "rope", f"hf:{folder}", "--preset", "extend-smoke", "--out", str(out),
+    r = CliRunner().invoke(app, ["extend", f"hf:{folder}", "--preset", "extend-smoke", "--out", str(out),
                                  *sum((["--set", o] for o in over), [])])
     assert r.exit_code == 0, r.output
     again = json.loads((out / "results.json").read_text())
@@ -225,8 +225,11 @@ def test_bad_presets_and_models(tmp_path):
         cfg, spec = load_extend_preset(preset)
         assert spec.full_factors == [1.0, 2.0] and spec.long_factors == [4.0]
     gpt2 = save_tiny("gpt2", tmp_path / "gpt2")
-    r = CliRunner().invoke(app, ["align", "rope", f"hf:{gpt2}", "--preset", "extend-smoke", "--out",
-                                 str(tmp_path / "o"), "--set", f"data.cache_dir={tmp_path / 'c'}"])
-    assert r.exit_code == 2 and "RoPE model" in r.output
+    for verb in (["extend"], ["align", "rope"]):  # the study's verb and its older spelling
+        r = CliRunner().invoke(app, [*verb, f"hf:{gpt2}", "--preset", "extend-smoke", "--out",
+                                     str(tmp_path / "o"), "--set", f"data.cache_dir={tmp_path / 'c'}"])
+        assert r.exit_code == 2 and "RoPE model" in r.output
+    r = CliRunner().invoke(app, ["extend", str(gpt2)])
+    assert r.exit_code == 2 and "hf:PATH" in r.output
     r = CliRunner().invoke(app, ["align", "rope", "--preset", "extend-quick"])
     assert r.exit_code == 2 and "hf:PATH" in r.output

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from extrapolab.data.tokenizer import BPECodec, BytesCodec, train_bpe
-from extrapolab.align import retrieval as R
+from extrapolab.align import temperature_scope
+from extrapolab.tasks import retrieval as R
 from extrapolab.io import UserError
 from extrapolab.model.gpt import GPT, ModelConfig
 
@@ -104,7 +105,9 @@ def test_scoring_oracle_is_perfect_and_random_model_fails(kind, tmp_path):
     recs = R.evaluate(Oracle(ex, 257), ex, {"none": None})
     assert len(recs) == len(ex) and all(r["correct"] for r in recs)
     rand = GPT(ModelConfig(vocab_size=257, layers=1, heads=2, dim=16, scheme="alibi")).eval()
-    recs = R.evaluate(rand, ex, {"none": None, "tau0.5": {260: 0.5, 400: 0.5}}, batch_size=4)
+    with pytest.raises(ValueError, match="scope"):  # tasks/ knows no temperature: the caller applies it
+        R.evaluate(rand, ex, {"tau0.5": {260: 0.5, 400: 0.5}})
+    recs = R.evaluate(rand, ex, {"none": None, "tau0.5": {260: 0.5, 400: 0.5}}, batch_size=4, scope=temperature_scope)
     assert not any(r["correct"] for r in recs)
     assert {r["tau"] for r in recs if r["rule"] == "tau0.5"} == {0.5}
     Ls, Ds, acc = R.accuracy_grid(recs, "none")

@@ -224,6 +224,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def load_study_preset(name_or_path: str, overrides: list[str] | None, section: str, spec_cls):
+    """(RunConfig, spec) of a study preset: the YAML's ``section`` is the study's dataclass, the rest
+    a run config; ``--set`` overrides apply to both."""
+    raw = apply_overrides(load_preset(name_or_path), overrides or [])
+    spec = from_dict(spec_cls, raw.pop(section, None) or {}, section)
+    return resolve(base=raw), spec
+
+
 def check_version(data: dict, where: str = "config") -> None:
     v = data.get("version", CONFIG_VERSION)
     if v != CONFIG_VERSION:

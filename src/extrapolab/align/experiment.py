@@ -2,7 +2,7 @@
 
 1. train (resumably, with the ordinary trainer) one model -- a T5-bias GPT in the align presets --
    at L_tr on the corpus's train split mixed with generated retrieval documents
-   (:func:`extrapolab.align.retrieval.retrieval_stream`);
+   (:func:`extrapolab.tasks.retrieval.retrieval_stream`);
 2. Algorithm 1 in both modes (P_max, entropy) plus the length rule and Props. 5.1/5.2 at every
    L_ex, stored as ``<out>/run/temperature.json`` (so ``extrapolab eval <out>/run --temperature
    auto`` works afterwards);
@@ -20,7 +20,6 @@ by the trained model and the settings it used, so an interrupted run resumes whe
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -36,11 +35,13 @@ from ..data import TokenData, prepare
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
+from ..report.stages import Stages, sayer
+from ..tasks.retrieval import KINDS, make_examples, retrieval_stream, score
 from ..train import load_model, run_placement, train
 from .algorithm import align, collect_logit_stats, load_temperature, save_temperature
-from .retrieval import KINDS, make_examples, retrieval_stream, score
 from .rules import GRID, MODES, canonical_rule, pick_tau
 from .tables import write_report
+from .temperature import temperature_scope
 
 ALL_RULES = ["none", "pmax", "entropy", "length", "prop51", "prop52"]
 
@@ -65,14 +66,6 @@ class AlignSpec:
     budget: str = ""
 
 
-def load_study_preset(name_or_path: str, overrides: list[str] | None, section: str, spec_cls):
-    """(RunConfig, spec) of a study preset: the YAML's ``section`` is the study's dataclass, the rest
-    a run config; ``--set`` overrides apply to both."""
-    raw = C.apply_overrides(C.load_preset(name_or_path), overrides or [])
-    spec = C.from_dict(spec_cls, raw.pop(section, None) or {}, section)
-    return C.resolve(base=raw), spec
-
-
 def sorted_lengths(lengths, train_length: int, section: str) -> list[int]:
     """The study's L_ex, sorted and unique; each must exceed L_tr (one-line error naming the key)."""
     out = sorted({int(L) for L in lengths})
@@ -82,7 +75,7 @@ def sorted_lengths(lengths, train_length: int, section: str) -> list[int]:
 
 
 def load_align_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, AlignSpec]:
-    cfg, spec = load_study_preset(name_or_path, overrides, "align", AlignSpec)
+    cfg, spec = C.load_study_preset(name_or_path, overrides, "align", AlignSpec)
     L_tr = cfg.model.train_length
     spec.lengths = sorted_lengths(spec.lengths, L_tr, "align")
     spec.rules = list(dict.fromkeys(canonical_rule(r) for r in spec.rules))
@@ -112,33 +105,6 @@ def training_mixture(data, cfg: C.RunConfig, spec: AlignSpec):
     sizes = {"corpus_train_tokens": int(corpus.size), "retrieval_train_tokens": int(sum(p.size for p in parts[1:])),
              "task_mix": spec.task_mix, "seed": cfg.train.seed, "document_length": cfg.model.train_length}
     return mix, sizes
-
-
-class _Stages:
-    """JSON results under ``out`` keyed by (model, settings): reused when the key matches."""
-
-    def __init__(self, out: Path, model_key: dict, say, context=contextlib.nullcontext) -> None:
-        self.out, self.model_key, self.say, self.seconds = out, model_key, say, {}
-        self.context = context  # entered around every computed stage (the placement's autocast)
-
-    def run(self, name: str, settings: dict, fn):
-        path = self.out / f"{name}.json"
-        key = json.loads(json.dumps({"model": self.model_key, "settings": settings}, default=str))
-        if path.is_file():
-            try:
-                old = json.loads(path.read_text())
-                if old.get("key") == key:
-                    self.say(f"{name}: reusing {path.name}")
-                    self.seconds[name] = old.get("seconds", 0.0)
-                    return old["result"]
-            except (ValueError, KeyError, AttributeError):
-                pass  # damaged or foreign: recompute
-        t = time.time()
-        with self.context():
-            result = fn()
-        self.seconds[name] = time.time() - t
-        atomic_write_json(path, {"key": key, "seconds": self.seconds[name], "result": result})
-        return result
 
 
 def _check_mixture(run_dir: Path, sizes: dict) -> None:
@@ -200,7 +166,7 @@ def measure_retrieval(model, task: str, taus: dict, spec: AlignSpec, tokenizer) 
             if tau is None:
                 continue
             if tau not in memo:
-                memo[tau] = score(model, examples, tau, spec.batch_size, rule)
+                memo[tau] = score(model, examples, tau, spec.batch_size, rule, scope=temperature_scope)
             records += [{**r, "rule": rule} for r in memo[tau]]
     return records
 
@@ -265,13 +231,13 @@ def run_align_experiment(preset: str, out: Path | None = None, overrides: list[s
     t0 = time.time()
     cfg, spec = load_align_preset(preset, overrides)
     out = Path(out) if out else Path(cfg.out_dir) / cfg.name
-    say = _sayer(progress)
+    say = sayer(progress)
     data, sizes, run_dir, summary, train_wall, model, place = train_on_mixture(cfg, spec, out, "align-spec.json",
                                                                                say, progress)
     L_tr = cfg.model.train_length
     tokens = data.split(cfg.eval.split)
     model_key = {k: summary.get(k) for k in ("steps", "best_step", "best_valid_loss", "params")}
-    stages = _Stages(out, model_key, say, place.autocast)
+    stages = Stages(out, model_key, say, place.autocast)
     settings = {k: getattr(spec, k) for k in ("lengths", "segments", "propagate")} | {"seed": cfg.train.seed}
     res = stages.run("align", settings, lambda: align(
         model, tokens, L_tr, spec.lengths, MODES, n_segments=spec.segments, propagate=spec.propagate,
@@ -305,12 +271,3 @@ def run_align_experiment(preset: str, out: Path | None = None, overrides: list[s
     report = write_report(out, results)
     say(f"report: {report} (wall time {wall:.0f} s)")
     return {"report": report, "wall_s": wall, "out": out, "results": results}
-
-
-def _sayer(progress: bool):
-    if not progress:
-        return lambda _m: None
-    from rich.console import Console
-
-    console = Console(stderr=True, soft_wrap=True)
-    return lambda m: console.print(f"[bold cyan]extrapolab align[/] {m}")

@@ -16,7 +16,7 @@ of the preset's corpus in the model's tokenizer (hf/data.py). Output: OUT/temper
 .png/.svg), the same format either way, which ``extrapolab eval hf:PATH --out OUT --temperature
 auto`` reads.
 
-:func:`retrieval_hf` scores passkey / key-value retrieval (:mod:`.retrieval`) with prompts built in
+:func:`retrieval_hf` scores passkey / key-value retrieval (:mod:`extrapolab.tasks.retrieval`) with prompts built in
 the model's tokenizer, at tau = 1 and at each rule's tau from OUT/temperature.json.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def retrieval_hf(spec: str, task: str = "passkey", lengths: Sequence[int] | None
     from ..hf import default_out, hf_temperature
     from ..hf.data import HFCodec
     from ..hf.evaluate import check_hf_lengths
-    from .retrieval import make_examples, plot_heatmap, retrieval_table, score
+    from ..tasks.retrieval import make_examples, plot_heatmap, retrieval_table, score
 
     model = _load(spec, attn="sdpa", device=device, dtype=dtype, rope=rope, train_length=train_length,
                   cache_dir=cache_dir)

@@ -46,10 +46,12 @@ from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
 from ..positional.rope_twopass import default_settings
+from ..report.stages import Stages, sayer
+from ..tasks.retrieval import make_examples, score
 from .algorithm import align, save_temperature
-from .experiment import _sayer, _Stages, load_study_preset, rule_taus, sorted_lengths, train_on_mixture
-from .retrieval import make_examples, score
+from .experiment import rule_taus, sorted_lengths, train_on_mixture
 from .rope_report import LABELS, write_rope_report
+from .temperature import temperature_scope
 
 #: method -> (scheme, uses the factor s = L/L_tr, temperature rule or None)
 METHODS = {
@@ -91,7 +93,7 @@ class RopeSpec:
 
 
 def load_rope_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, RopeSpec]:
-    cfg, spec = load_study_preset(name_or_path, overrides, "rope", RopeSpec)
+    cfg, spec = C.load_study_preset(name_or_path, overrides, "rope", RopeSpec)
     L_tr = cfg.model.train_length
     if cfg.model.scheme != "rotary":
         raise UserError(f"align rope studies a plain rotary run; set model.scheme=rotary (got {cfg.model.scheme!r})")
@@ -155,7 +157,7 @@ def evaluate_method(model, method: str, L_tr: int, lengths: list[int], taus: dic
                                          opts=opts)["ppl"]
             ex = make_examples("passkey", [L], spec.depths, spec.n, spec.seed, tokenizer=tokenizer, preamble=False)
             cell["passkey"] = [{k: r[k] for k in ("depth", "correct", "pred", "answer")}
-                               for r in score(model, ex, tau, spec.batch_size, method)]
+                               for r in score(model, ex, tau, spec.batch_size, method, scope=temperature_scope)]
         if spec.erf_segments > 0:
             rng = np.random.default_rng(spec.seed)
             starts = rng.integers(0, len(tokens) - L - 1, size=spec.erf_segments)
@@ -173,12 +175,12 @@ def run_rope_study(preset: str, out: Path | None = None, overrides: list[str] | 
     t0 = time.time()
     cfg, spec = load_rope_preset(preset, overrides)
     out = Path(out) if out else Path(cfg.out_dir) / cfg.name
-    say = _sayer(progress)
+    say = sayer(progress)
     L_tr = cfg.model.train_length
     data, sizes, run_dir, summary, train_wall, model, place = train_on_mixture(cfg, spec, out, "rope-spec.json",
                                                                                say, progress)
     tokens = data.split(cfg.eval.split)
-    stages = _Stages(out, {k: summary.get(k) for k in ("steps", "best_step", "best_valid_loss", "params")}, say,
+    stages = Stages(out, {k: summary.get(k) for k in ("steps", "best_step", "best_valid_loss", "params")}, say,
                      place.autocast)
     a_set = {"lengths": spec.lengths, "segments": spec.segments, "propagate": spec.propagate, "seed": cfg.train.seed}
     res = stages.run("align", a_set, lambda: align(model, tokens, L_tr, spec.lengths, n_segments=spec.segments,

@@ -18,8 +18,8 @@ import numpy as np
 from ..io import atomic_write_text
 from ..report.html import StudyReport
 from ..report.plots import plot_ppl_vs_length
+from ..tasks.retrieval import plot_heatmap, retrieval_table
 from .plots import align_table, plot_temperature_curves
-from .retrieval import plot_heatmap, retrieval_table
 
 RULE_LABELS = {"none": "none (τ=1)", "pmax": "Alg. 1 P_max", "entropy": "Alg. 1 H", "length": "log_{L_ex} L_tr",
                "prop51": "Prop. 5.1", "prop52": "Prop. 5.2", "pmax@task": "Alg. 1 P_max on task prompts",

@@ -9,7 +9,8 @@
     extrapolab align experiment [--preset align-quick] [--out reports/align]   train + align + measure + report
     extrapolab align rope [--preset rope-quick] [--out reports/rope]   RoPE extensions vs temperature alignment
     extrapolab align head-scale RUN --length L [--out OUT]  NoPE head scale (Wang et al. 2024) -> a run folder
-    extrapolab align rope hf:FILE.gguf [--preset extend-quick]   the same methods on a pretrained RoPE model
+    extrapolab align rope hf:FILE.gguf [--preset extend-quick]   = `extrapolab extend hf:FILE.gguf`: the same
+                                                      methods on a pretrained RoPE model
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import List, Optional, Sequence
 import typer
 from typer.core import TyperGroup
 
-from .common import ROPE_HELP, DeviceOpt, DtypeOpt, friendly
+from .common import ROPE_HELP, DeviceOpt, DtypeOpt, friendly, run_study
 
 DEFAULT_VERB = "temperature"
 
@@ -105,7 +106,8 @@ def retrieval_cmd(run_dir: Path, task: str = "passkey", lengths: Sequence[int] |
     """Exact-match retrieval accuracy per length x depth for each temperature rule (from
     RUN/temperature.json); writes RUN/retrieval-<task>.json and the heat map .png/.svg."""
     from ..align import canonical_rule, load_temperature
-    from ..align.retrieval import evaluate, make_examples, plot_heatmap, retrieval_table
+    from ..align import temperature_scope
+    from ..tasks.retrieval import evaluate, make_examples, plot_heatmap, retrieval_table
     from ..io import atomic_write_json
 
     run_dir = Path(run_dir)
@@ -120,7 +122,7 @@ def retrieval_cmd(run_dir: Path, task: str = "passkey", lengths: Sequence[int] |
                 load_temperature(run_dir, L, r)  # fail before any decoding if a tau is missing
         specs[r] = None if r == "none" else (lambda L, r=r: load_temperature(run_dir, L, r))
     with place.autocast():
-        records = evaluate(model, examples, specs, batch_size=batch_size)
+        records = evaluate(model, examples, specs, batch_size=batch_size, scope=temperature_scope)
     table = retrieval_table(records)
     out = run_dir / f"retrieval-{task}.json"
     atomic_write_json(out, {"task": task, "lengths": lengths, "depths": list(depths), "n": n, "seed": seed,
@@ -257,7 +259,7 @@ def experiment(
     """Train on corpus + retrieval docs, align, measure ppl and retrieval per rule, write report.html (resumable)."""
     from ..align.experiment import run_align_experiment
 
-    _study(run_align_experiment, preset, out, set_, device, dtype)
+    run_study(run_align_experiment, preset, out, set_, device, dtype)
 
 
 @app.command("rope")
@@ -281,18 +283,13 @@ def rope(
         from ..align.rope_study import run_rope_study
 
         if preset and preset.startswith("extend-"):
-            raise UserError(f"--preset {preset} studies a pretrained model; name it: extrapolab align rope hf:PATH "
+            raise UserError(f"--preset {preset} studies a pretrained model; name it: extrapolab extend hf:PATH "
                             f"--preset {preset}")
-        _study(run_rope_study, preset or "rope-quick", out, set_, device, dtype)
+        run_study(run_rope_study, preset or "rope-quick", out, set_, device, dtype)
         return
-    from functools import partial
+    from .extend import extend_study
 
-    from ..align.extend_study import run_extend_study
-    from ..hf import is_hf_spec
-
-    if not is_hf_spec(model):
-        raise UserError(f"align rope takes a pretrained model as hf:PATH (a folder or a .gguf file); got {model!r}")
-    _study(partial(run_extend_study, model), preset or "extend-quick", out, set_, device, dtype)
+    extend_study(model, preset, out, set_, device, dtype)
 
 
 @app.command("head-scale")
@@ -324,11 +321,3 @@ def head_scale(
                f"`extrapolab eval {res['out']}` evaluates it)")
 
 
-def _study(run, preset: str, out: Optional[Path], set_: Optional[List[str]], device: str, dtype: str) -> None:
-    """Run one study (``run(preset, out=..., overrides=...)`` -> {"out", "report", "wall_s"}) with the
-    --set overrides and the placement flags, then print its summary and where the report is."""
-    from ..train.placement import placement_overrides
-
-    res = run(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
-    typer.echo((res["out"] / "summary.md").read_text())
-    typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")

@@ -1,8 +1,10 @@
-"""Shared CLI helpers: one-line input errors with a non-zero exit."""
+"""Shared CLI helpers: one-line input errors with a non-zero exit; running a one-command study."""
 from __future__ import annotations
 
 import errno
 import functools
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
@@ -50,3 +52,13 @@ ROPE_HELP = ("hf: only: RoPE override or extension: linear|dynamic|yarn|ntk|llam
              "streaming[:K[,W]], logn; join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when visible)")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 (auto: bf16 on a GPU that supports it, else fp32)")
+
+
+def run_study(run, preset: str, out: Optional[Path], set_: Optional[List[str]], device: str, dtype: str) -> None:
+    """Run one study (``run(preset, out=..., overrides=...)`` -> {"out", "report", "wall_s"}) with the
+    --set overrides and the placement flags, then print its summary and where the report is."""
+    from ..train.placement import placement_overrides
+
+    res = run(preset, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
+    typer.echo((res["out"] / "summary.md").read_text())
+    typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")

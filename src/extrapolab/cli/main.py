@@ -15,6 +15,7 @@ import typer
 
 from . import align as align_cli
 from . import analyze as analyze_cli
+from . import extend as extend_cli
 from . import regular as regular_cli
 from . import ruler as ruler_cli
 from .common import ROPE_HELP, DeviceOpt, DtypeOpt, friendly
@@ -251,6 +252,7 @@ def fetch_model(
 
 
 app.command("ruler")(ruler_cli.ruler)
+app.command("extend")(extend_cli.extend)
 app.add_typer(analyze_cli.app, name="analyze", help="analysis tools: erf, trf, bias, nope-variance, sharpness, all")
 app.add_typer(regular_cli.app, name="regular", help="RegularGPT and the regular-language benchmark")
 app.add_typer(align_cli.app, name="align", help="`align RUN`: softmax-temperature alignment (thesis Algorithm 1); "

@@ -19,7 +19,9 @@ preamble, asks the question as the user ("What is the pass key?"), closes the tu
 and starts the assistant's answer ("The pass key is"), whose continuation is the answer.
 Everything is a pure function of (seed, kind, length, depth, index): adding lengths never changes
 other examples. Scoring: exact match of greedy decoding (full-context ``model(idx)``, no cache)
-of as many tokens as the answer has, per L_ex and depth, at any temperature (``temperature_scope``).
+of as many tokens as the answer has, per L_ex and depth, at any temperature: a tau other than 1
+is applied by the caller's ``scope(model, tau)`` context (the alignment study passes
+``align.temperature_scope``; this package knows no temperature).
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ import torch
 from ..analysis.common import save_figure
 from ..data.tokenizer import BytesCodec
 from ..io import UserError
-from .temperature import temperature_scope
 
 KINDS = ("passkey", "kv")
 JUNK = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
@@ -221,19 +222,19 @@ def _last_logits(model, idx: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy(model, prompts: torch.Tensor, n_new: int, tau: float = 1.0) -> torch.Tensor:
+def greedy(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
     """prompts [B, L] -> greedy continuation [B, n_new] (full-context forward per token)."""
     idx = prompts
-    with temperature_scope(model, tau) if tau != 1.0 else nullcontext():
-        for _ in range(n_new):
-            nxt = _last_logits(model, idx).argmax(-1, keepdim=True)  # [B, 1]
-            idx = torch.cat([idx, nxt], dim=1)  # [B, L+1]
+    for _ in range(n_new):
+        nxt = _last_logits(model, idx).argmax(-1, keepdim=True)  # [B, 1]
+        idx = torch.cat([idx, nxt], dim=1)  # [B, L+1]
     return idx[:, prompts.shape[1]:]
 
 
 def score(model, examples: Sequence[Example], temperature: TauSpec = None, batch_size: int = 8,
-          rule: str = "none", device=None) -> list[dict]:
-    """Exact-match records (one per example) of greedy decoding at the given temperature(s)."""
+          rule: str = "none", device=None, scope=None) -> list[dict]:
+    """Exact-match records (one per example) of greedy decoding at the given temperature(s);
+    ``scope(model, tau)``: the context that runs ``model`` at tau (needed for any tau other than 1)."""
     if device is None:
         p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
         device = p.device if p is not None else "cpu"
@@ -243,10 +244,13 @@ def score(model, examples: Sequence[Example], temperature: TauSpec = None, batch
     records: list[dict | None] = [None] * len(examples)
     for (_, n_new, target), ids in groups.items():
         tau = _tau_for(temperature, target)
+        if tau != 1.0 and scope is None:
+            raise ValueError(f"score() at temperature {tau} needs scope=, the context that applies it")
         for s in range(0, len(ids), batch_size):
             chunk = ids[s:s + batch_size]
             prompts = torch.tensor([examples[i].prompt for i in chunk], dtype=torch.long, device=device)
-            pred = greedy(model, prompts, n_new, tau).tolist()
+            with scope(model, tau) if tau != 1.0 else nullcontext():
+                pred = greedy(model, prompts, n_new).tolist()
             for i, p in zip(chunk, pred):
                 ex = examples[i]
                 records[i] = {"kind": ex.kind, "rule": rule, "tau": tau, "length": ex.target_length,
@@ -254,11 +258,13 @@ def score(model, examples: Sequence[Example], temperature: TauSpec = None, batch
     return records  # type: ignore[return-value]
 
 
-def evaluate(model, examples: Sequence[Example], rules: dict[str, TauSpec], batch_size: int = 8) -> list[dict]:
-    """Score ``examples`` once per alignment rule, e.g. {"none": None, "pmax": {1024: 0.85, ...}}."""
+def evaluate(model, examples: Sequence[Example], rules: dict[str, TauSpec], batch_size: int = 8,
+             scope=None) -> list[dict]:
+    """Score ``examples`` once per alignment rule, e.g. {"none": None, "pmax": {1024: 0.85, ...}}
+    (``scope``: see :func:`score`)."""
     out = []
     for rule, spec in rules.items():
-        out += score(model, examples, spec, batch_size, rule)
+        out += score(model, examples, spec, batch_size, rule, scope=scope)
     return out
 
 

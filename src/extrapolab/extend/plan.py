@@ -1,4 +1,4 @@
-"""Bookkeeping of `extrapolab align rope hf:PATH` (:mod:`.extend_study`): lengths, which cells
+"""Bookkeeping of `extrapolab extend hf:PATH` (:mod:`.study`): lengths, which cells
 coincide, what holds, which methods go on, and everything measured so far (JSON-able)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from .extend_cells import Setting, setting
+from .cells import Setting, setting
 
 
 class Plan:

@@ -1,17 +1,17 @@
-"""`extrapolab align rope hf:PATH`: training-free context extension of a pretrained RoPE model, measured.
+"""`extrapolab extend hf:PATH`: training-free context extension of a pretrained RoPE model, measured.
 
 On the SAME weights (a local folder or a GGUF file), with L_ctx the model's context:
 
-1. Algorithm 1 (:mod:`.onepass`) at every L > L_ctx on the first corpus's windows: ``pmax`` /
+1. Algorithm 1 (:mod:`extrapolab.align.onepass`) at every L > L_ctx on the first corpus's windows: ``pmax`` /
    ``entropy`` as the thesis runs it, one tau for every softmax, FINDS(1) at L_ctx and FINDS(tau)
    at L one fused forward each, bisection over the grid (~4 forwards per L, shared by both modes);
    ``pmax-layer``, a variant, a tau per layer in one forward at L (plus one at L_ctx); statistics
    from ``align_rows`` sampled query rows per layer;
-2. ``full_factors`` (1x, 2x): every method of :data:`.extend_cells.METHODS` -- plain RoPE, PI,
+2. ``full_factors`` (1x, 2x): every method of :data:`.cells.METHODS` -- plain RoPE, PI,
    NTK-aware, dynamic NTK, YaRN, Self-Extend, ReRoPE (+ log-n, as Su's patch), log-n, Algorithm 1's
    tau (P_max, entropy; the per-layer variant) and the length rule tau = log L_ctx / log L -- on
    every corpus: E1, E3, E4
-   from the same forwards (:func:`.extend_cells.score_cell`); cells whose settings coincide run once;
+   from the same forwards (:func:`.cells.score_cell`); cells whose settings coincide run once;
 3. a method HOLDS at L when, on every corpus measured at L, the perplexity of the last L_ctx
    predictions of its windows (the tokens plain RoPE's 1x cell scores, now after L - L_ctx more
    tokens) is at most ``hold_ratio`` (1.10) x plain RoPE's E1 at L_ctx: it reads L tokens at no
@@ -23,10 +23,10 @@ On the SAME weights (a local folder or a GGUF file), with L_ctx the model's cont
    the methods that hold there (at most ``passkey_methods``, best first);
 5. the ERF (Sandwich §5.1) at ``erf_factor`` x L_ctx for ``erf_methods`` (``best``: the method that
    holds best at 2x), with transformers' gradient checkpointing;
-6. tables, figures, report.md / report.html (:mod:`.extend_report`).
+6. tables, figures, report.md / report.html (:mod:`.report`).
 
 Every cell is stored as JSON under ``<out>/cells`` keyed by the model's sha256 and the cell's
-settings (:class:`.experiment._Stages`), so an interrupted run resumes where it stopped.
+settings (:class:`extrapolab.report.stages.Stages`), so an interrupted run resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ import torch
 
 from .. import config as C
 from ..io import UserError, atomic_write_json
-from .experiment import _sayer, _Stages, load_study_preset
-from .extend_cells import (ALIGNED, METHODS, OPT_IN, Models, erf_record, passkey_records, score_cell, setting,
-                           window_ends)
-from .extend_plan import Plan
+from ..report.stages import Stages, sayer
+from .cells import (ALIGNED, METHODS, OPT_IN, Models, erf_record, passkey_records, score_cell, setting,
+                    window_ends)
+from .plan import Plan
 
 SECTION = "extend"
 
@@ -77,7 +77,7 @@ class ExtendSpec:
 
 
 def load_extend_preset(name_or_path: str, overrides: list[str] | None = None) -> tuple[C.RunConfig, ExtendSpec]:
-    cfg, spec = load_study_preset(name_or_path, overrides, SECTION, ExtendSpec)
+    cfg, spec = C.load_study_preset(name_or_path, overrides, SECTION, ExtendSpec)
     bad = [m for m in spec.methods if m not in METHODS]
     if bad or "rope" not in spec.methods:
         raise UserError(f"extend.methods must include rope (the baseline) and name only {', '.join(METHODS)}; "
@@ -120,15 +120,15 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
     """The whole study (module doc); returns {"report", "wall_s", "out", "results"}."""
     from ..hf import ATTN, hf_split
     from ..hf.data import HFCodec, chat_wrap
-    from .extend_report import write_extend_report
-    from .onepass import align_global, align_layers
-    from .retrieval import make_examples
+    from ..align.onepass import align_global, align_layers
+    from ..tasks.retrieval import make_examples
+    from .report import write_extend_report
 
     t0 = time.time()
     cfg, spec = load_extend_preset(preset, overrides)
     out = Path(out) if out else Path(cfg.out_dir) / cfg.name
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    say = _sayer(progress)
+    say = sayer(progress, "extend")
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     host = _host()
@@ -144,7 +144,7 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
                         "study needs a RoPE model whose config names its context (max_position_embeddings)")
     key, block, tok = model_key(loaded), model_block(base), loaded.tokenizer
     del base, loaded  # only the Models cache holds a model from here on (one copy of the weights)
-    stages = _Stages(out, key, say)
+    stages = Stages(out, key, say)
     C.save(cfg, out / "config.yaml")
     atomic_write_json(out / "extend-spec.json", dataclasses.asdict(spec))
     plan = Plan(spec, L_ctx)

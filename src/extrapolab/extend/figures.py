@@ -1,4 +1,4 @@
-"""Figures of `extrapolab align rope hf:PATH` (:mod:`.extend_report`): E4 loss vs position, E1 vs
+"""Figures of `extrapolab extend hf:PATH` (:mod:`.report`): E4 loss vs position, E1 vs
 length, passkey heat maps, ERF curves; each written as PNG + SVG under ``<out>/figures``."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from ..analysis.common import new_figure, save_figure
 from ..analysis.erf import plot_erf
 from ..eval.positionwise import smooth
 from ..report.plots import plot_ppl_vs_length
-from .extend_cells import METHODS
-from .retrieval import plot_heatmap
+from .cells import METHODS
+from ..tasks.retrieval import plot_heatmap
 
 
 def label(m: str) -> str:

@@ -1,10 +1,10 @@
-"""One cell of `extrapolab align rope hf:PATH` (:mod:`.extend_study`): one method at one length L.
+"""One cell of `extrapolab extend hf:PATH` (:mod:`.study`): one method at one length L.
 
 A method at L is a :class:`Setting`: a ``--rope`` text for :func:`extrapolab.hf.load_hf` (HF's own
 rope types through ``rope_parameters``; Self-Extend / ReRoPE / log-n through the extrapolab
 attention function) and a softmax temperature: one for the whole model (Algorithm 1 as the thesis
 runs it, ``pmax`` / ``entropy``, and the length rule) or one per layer (``pmax-layer``, the one-forward
-variant of :func:`.onepass.align_layers`). The factor of every static
+variant of :func:`extrapolab.align.onepass.align_layers`). The factor of every static
 method is s = L / L_ctx, L_ctx being the model's context (its config's ``max_position_embeddings``):
 what a user who wants L tokens would set. Cells whose settings coincide are computed once:
 

@@ -1,7 +1,7 @@
-"""Tables (markdown + CSV), figures, report.md and report.html of `extrapolab align rope hf:PATH`.
+"""Tables (markdown + CSV), figures, report.md and report.html of `extrapolab extend hf:PATH`.
 
 Everything is rendered from the ``results`` dict the study also stores as ``results.json``
-(:mod:`.extend_study`). report.md is written to be pasted into a results page as it is: the command,
+(:mod:`.study`). report.md is written to be pasted into a results page as it is: the command,
 the model file (sha256, quantisation), the host, the measured wall time per stage, the summary
 table, one sentence per method on whether it holds at each length beyond the context, and every
 table and figure.
@@ -20,7 +20,7 @@ import numpy as np
 from ..io import atomic_write_text
 from ..positional.rotary_yarn import yarn_attention_factor
 from ..report.html import StudyReport
-from .extend_figures import label, plot_e1, plot_erf_curves, plot_passkey, plot_positionwise
+from .figures import label, plot_e1, plot_erf_curves, plot_passkey, plot_positionwise
 
 
 def _csv(header: list, rows: list) -> str:
@@ -181,7 +181,7 @@ def cost_table(results: dict) -> str:
 
 def command(results: dict, out: Path) -> str:
     sets = " ".join(f"--set {o}" for o in results["overrides"])
-    return f"extrapolab align rope {results['model_spec']} --preset {results['preset']} --out {out} {sets}".strip()
+    return f"extrapolab extend {results['model_spec']} --preset {results['preset']} --out {out} {sets}".strip()
 
 
 def write_extend_report(out: Path, results: dict) -> Path:
@@ -240,6 +240,6 @@ def write_extend_report(out: Path, results: dict) -> Path:
             f"as each was measured when computed (see Cost), on {html.escape(h['platform'])}, {h['cpus']} CPUs, "
             f"{h['torch_threads']} torch "
             f"threads, load average {h['load_avg'][0]:.1f} at the start and {h['load_avg_end'][0]:.1f} at the end. "
-            "Static methods use s = L / L_ctx; identical cells ran once (see extend_cells.py). Generated "
+            "Static methods use s = L / L_ctx; identical cells ran once (see extend/cells.py). Generated "
             f"{dt.datetime.now().isoformat(timespec='seconds')}; every number is in <code>results.json</code>.")
     return report.write(title, note)
