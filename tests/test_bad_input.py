@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 106 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 108 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -15,8 +15,9 @@ Checkpoints (6): truncated; bit flip; garbage weights behind a consistent manife
 architecture; none at all; disk full while writing one. Configs (4): newer version, older version,
 invalid YAML, not a mapping. Results database (4): locked beyond the timeout (direct and through a
 sweep), garbage bytes, truncated pages. Runs in use (2): training into a run folder another process
-holds; a sweep reaching such a run (skipped, its row left alone). Other (4): bad --lengths, bad
---temperature, disk full while logging (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT. GGUF models (4): not a
+holds; a sweep reaching such a run (skipped, its row left alone). Other (6): bad --lengths, bad
+--temperature, --rope on a run that is not plain rotary, --rope on `align RUN`, disk full while logging
+(CLI), a bad $EXTRAPOLAB_DB_TIMEOUT. GGUF models (4): not a
 GGUF file, a truncated one, an architecture transformers cannot read (each also through the CLI,
 nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (15):
 xPos past its float range; Self-Extend window past L_tr and group 0; leaky ReRoPE slope < 1; a hybrid
@@ -815,6 +816,10 @@ def test_cli_bad_values(tiny, tmp_path):
     check("bad --lengths", _cli("eval", str(run), "--lengths", "8,abc"), "comma-separated integers like 128,256",
           how=CLI_HOW)
     check("bad --temperature", _cli("eval", str(run), "--temperature", "0"), "must be in (0, 10]", how=CLI_HOW)
+    check("eval --rope on a run that is not plain rotary", _cli("eval", str(run), "--rope", "yarn:2"),
+          "extends a run trained with plain rotary", "drop --rope", how=CLI_HOW)
+    check("align --rope on a run folder", _cli("align", str(run), "--rope", "yarn:2"), "applies to hf: models",
+          "extrapolab eval RUN --rope", how=CLI_HOW)
     assert tree(run) == before  # no eval.json written
 
 

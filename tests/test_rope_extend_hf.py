@@ -332,7 +332,8 @@ def test_cli_eval_and_align_record_the_extension(llama, tmp_path):
     r = CliRunner().invoke(app, [str(a) for a in ["eval", f"hf:{llama}", "--lengths", "96", "--protocol",
                                                   "nonoverlapping", *args]], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    model = json.loads((out / "eval.json").read_text())["model"]
+    assert not (out / "eval.json").exists()  # the extension has its own file, never the plain one
+    model = json.loads((out / "eval-rope-selfextend2_16-logn.json").read_text())["model"]
     assert model["rope"] == "selfextend:2,16+logn" and model["attn_implementation"] == ATTN
     assert model["rope_extension"] == {"method": "selfextend", "w": 16, "G": 2, "max_length": 80, "logn": MAXPOS}
     r = CliRunner().invoke(app, [str(a) for a in ["align", f"hf:{llama}", "--lengths", "96", "--segments", "1",

@@ -6,7 +6,8 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from extrapolab.align.rope_study import load_rope_preset, method_setup, run_rope_study
+from extrapolab.align.rope_methods import method_setup
+from extrapolab.align.rope_study import load_rope_preset, run_rope_study
 from extrapolab.cli.main import app
 from extrapolab.io import UserError
 

@@ -14,9 +14,9 @@ today. One command:
    (:mod:`.rope_report`), with YaRN's attention factor f next to the thesis' length rule and
    Algorithm 1's tau (YaRN multiplies the logits by f^2: an equivalent tau = 1/f^2).
 
-Methods are applied at evaluation time by swapping the scheme (rotary has no parameters) and/or
-setting the softmax temperature. Static methods use s = L/L_tr at each L, the factor a user who
-wants length L would set. ``rope`` plain RoPE; ``pi`` position interpolation (Chen et al. 2023);
+Methods are applied at evaluation time by swapping the scheme (rotary has no parameters;
+:mod:`.rope_methods`, the mapping `eval RUN --rope` uses too) and/or setting the softmax
+temperature. Static methods use s = L/L_tr at each L, the factor a user who wants length L would set. ``rope`` plain RoPE; ``pi`` position interpolation (Chen et al. 2023);
 ``ntk`` NTK-aware base (bloc97 2023); ``dynamic`` dynamic NTK (s from the current length, the
 same scheme at every L); ``yarn`` YaRN (Peng et al. 2023) and ``yarn-ramp`` its frequencies
 without its temperature; ``pmax``, ``entropy`` Algorithm 1's tau; ``length`` tau = log L_tr / log L;
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,37 +39,17 @@ import numpy as np
 import torch
 
 from .. import config as C
-from .. import positional
 from ..analysis.erf import measure_erf
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
-from ..positional.rope_twopass import default_settings
 from ..report.stages import Stages, sayer
 from ..tasks.retrieval import make_examples, score
 from .algorithm import align, save_temperature
 from .experiment import rule_taus, sorted_lengths, train_on_mixture
+from .rope_methods import METHODS, method_setup, swapped
 from .rope_report import LABELS, write_rope_report
 from .temperature import temperature_scope
-
-#: method -> (scheme, uses the factor s = L/L_tr, temperature rule or None)
-METHODS = {
-    "rope": ("rotary", False, None),
-    "pi": ("rotary-pi", True, None),
-    "ntk": ("rotary-ntk", True, None),
-    "dynamic": ("rotary-dynamic", False, None),
-    "yarn": ("rotary-yarn", True, None),
-    "yarn-ramp": ("rotary-yarn", True, None),
-    "pmax": ("rotary", False, "pmax"),
-    "entropy": ("rotary", False, "entropy"),
-    "length": ("rotary", False, "length"),
-    "selfextend": ("rotary-selfextend", False, None),
-    "rerope": ("rotary-rerope", False, None),
-    "rerope-leaky": ("rotary-rerope-leaky", False, None),
-    "dca": ("rotary-dca", False, None),
-    "streaming": ("rotary-streaming", False, None),
-    "logn": ("rotary", False, None),
-}
 
 
 @dataclass
@@ -104,39 +83,6 @@ def load_rope_preset(name_or_path: str, overrides: list[str] | None = None) -> t
     if spec.n < 1 or spec.segments < 1 or any(not 0 <= d <= 1 for d in spec.depths):
         raise UserError("rope.n and rope.segments must be >= 1 and rope.depths in [0, 1]")
     return cfg, spec
-
-
-def method_setup(method: str, train_length: int, length: int, heads: int, taus: dict):
-    """(scheme instance, softmax tau or None when the rule has no tau) for ``method`` at ``length``."""
-    name, scaled, rule = METHODS[method]
-    params: dict = {}
-    if scaled:
-        params["factor"] = max(1.0, length / train_length)
-    if name in ("rotary-dynamic", "rotary-yarn"):
-        params["original_length"] = train_length
-    if method == "yarn-ramp":
-        params["attention_factor"] = 1.0
-    if method in ("selfextend", "rerope", "rerope-leaky"):
-        params.update(default_settings(method, train_length, length), original_length=train_length)
-    if method in ("dca", "streaming"):  # their defaults: ChunkLlama's C = 3/4·L_tr, w = C/6; 4 sinks + L_tr - 4
-        params["original_length"] = train_length
-    if method in ("rerope", "rerope-leaky", "logn"):  # the ReRoPE patches scale q by log-n
-        params.update(logn=True, original_length=train_length)
-    tau = 1.0 if rule is None else taus.get(rule, {}).get(length)
-    return positional.build(name, heads, **params), tau
-
-
-@contextmanager
-def swapped(model, scheme):
-    """``model`` with ``scheme`` in place of its own (parameter-free rotary schemes only)."""
-    old = model.scheme
-    if any(True for _ in old.parameters()) or any(True for _ in scheme.parameters()):
-        raise UserError("scheme swapping is for parameter-free schemes (rotary and its extensions)")
-    model.scheme = scheme.to(next(model.parameters()).device)
-    try:
-        yield model
-    finally:
-        model.scheme = old
 
 
 def evaluate_method(model, method: str, L_tr: int, lengths: list[int], taus: dict, tokens, spec: RopeSpec,

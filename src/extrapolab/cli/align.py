@@ -159,6 +159,15 @@ def hf_t5_cmd(model_dir: Path, text: Path, train_length: int, lengths: Sequence[
 HF_HELP = "hf: only: "
 
 
+def _no_rope(rope: str | None, run: str) -> None:
+    """--rope here is for hf: models; on a run folder it would be ignored, so it is refused."""
+    from ..io import UserError
+
+    if rope:
+        raise UserError(f"--rope applies to hf: models here, not to the run folder {run}; evaluate a rotary run "
+                        "with an extension by `extrapolab eval RUN --rope ...`, or drop --rope")
+
+
 @app.command("temperature")
 @friendly
 def temperature(
@@ -190,6 +199,7 @@ def temperature(
                        preset=preset, overrides=set_, device=device, dtype=dtype, rope=rope,
                        train_length=train_length, rows=rows, search=search, blockwise=blockwise, say=say)
     else:
+        _no_rope(rope, run)
         res = align_cmd(Path(run), _ints(lengths), modes.split(","), segments, split, which, not no_propagate,
                         device=device, say=say, dtype=dtype)
     typer.echo(res["table"])
@@ -223,6 +233,7 @@ def retrieval(
                            not no_preamble, out=out, device=device, dtype=dtype, rope=rope,
                            train_length=train_length)
     else:
+        _no_rope(rope, run)
         res = retrieval_cmd(Path(run), task, _ints(lengths), _floats(depths), n,
                             (rules or "none,pmax,entropy,length").split(","), seed, which, not no_preamble,
                             device=device, dtype=dtype)

@@ -65,8 +65,11 @@ def erf(
     from ..analysis import attention_erf, measure_erf, plot_erf, plot_trf_vs_erf, trf, trf_summary
     from ..analysis.common import segments_from_stream
     from ..analysis.runner import default_erf_length, load_run, test_stream
+    from ..io import UserError
     from ..train import placement
 
+    if rope and not any(r.startswith("hf:") for r in runs):
+        raise UserError("--rope applies to the hf: models of `analyze erf`, and none is given; drop --rope")
     place = placement(device, dtype)
     curves, records, lines = {}, [], []
     L_tr = None

@@ -50,6 +50,11 @@ def friendly(fn):
 ROPE_HELP = ("hf: only: RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S[,key=value], "
              "longrope:S,long=[...], proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], "
              "streaming[:K[,W]], logn; join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
+#: --rope of `eval`: hf: models and runs trained with plain rotary (align/rope_methods.py)
+EVAL_ROPE_HELP = ("RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S[,key=value], longrope:S,long=[...], "
+                  "proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], streaming[:K[,W]], "
+                  "logn; join with +, e.g. rerope:512+logn. On hf: models and on runs trained with plain rotary (a "
+                  "rewrite joined with a multi-pass method: hf: only) -> eval-rope-<tag>.json")
 DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (auto: cuda when visible)")
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 (auto: bf16 on a GPU that supports it, else fp32)")
 

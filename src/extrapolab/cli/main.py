@@ -18,7 +18,7 @@ from . import analyze as analyze_cli
 from . import extend as extend_cli
 from . import regular as regular_cli
 from . import ruler as ruler_cli
-from .common import ROPE_HELP, DeviceOpt, DtypeOpt, friendly
+from .common import EVAL_ROPE_HELP, DeviceOpt, DtypeOpt, friendly
 
 app = typer.Typer(
     add_completion=False,
@@ -98,20 +98,23 @@ def eval_(
     which: str = typer.Option("best", "--checkpoint", help="best|last"),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="hf: only: preset whose data.*/eval.* to use"),
     out: Optional[Path] = typer.Option(None, "--out", help="hf: only: output folder (default runs/hf-<name>)"),
-    rope: Optional[str] = typer.Option(None, "--rope", help=ROPE_HELP),
+    rope: Optional[str] = typer.Option(None, "--rope", help=EVAL_ROPE_HELP),
     train_length: Optional[int] = typer.Option(None, "--train-length", help="hf: only: L_tr (default: from its config)"),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
 ):
-    """Evaluate a trained run (or hf:PATH) with the protocols E1-E6; writes <run>/eval.json."""
+    """Evaluate a trained run (or hf:PATH) with the protocols E1-E6; writes <run>/eval.json (with --rope:
+    eval-rope-<tag>.json)."""
     from ..sweep.runs import eval_hf, eval_run
 
+    say = lambda m: typer.echo(m, err=True)  # noqa: E731
     if run.startswith("hf:"):
         result = eval_hf(run, protocols=protocol, lengths=lengths, temperature=temperature, overrides=set_,
-                         preset=preset, out=out, device=device, dtype=dtype, rope=rope, train_length=train_length)
+                         preset=preset, out=out, device=device, dtype=dtype, rope=rope, train_length=train_length,
+                         say=say)
     else:
         result = eval_run(Path(run), protocols=protocol, lengths=lengths, temperature=temperature, overrides=set_,
-                          which=which, device=device, dtype=dtype)
+                          which=which, device=device, dtype=dtype, rope=rope, say=say)
     typer.echo(result["markdown"])
     typer.echo(f"wrote {result['path']}")
 

@@ -7,14 +7,14 @@ def. 0.1); E7 :mod:`.stats` (Sandwich Table 3); :func:`evaluate` runs a chosen s
 blockwise causal attention (:mod:`.bca`, xPos §3.3).
 """
 from .cached import cached_window_ppl, compare_cached, generate, recomputed_window_ppl
-from .evaluate import PROTOCOLS, evaluate, evaluate_config
+from .evaluate import PROTOCOLS, eval_lengths, evaluate, evaluate_config
 from .perplexity import last_token, last_token_ends, nonoverlapping, sliding, sliding_windows
 from .positionwise import positionwise, positionwise_with_reference, smooth
 from .stats import format_table, mark, paired_ttest, summarize, summary
 from .verdict import verdict
 
 __all__ = [
-    "PROTOCOLS", "cached_window_ppl", "compare_cached", "evaluate", "evaluate_config", "format_table",
+    "PROTOCOLS", "cached_window_ppl", "compare_cached", "eval_lengths", "evaluate", "evaluate_config", "format_table",
     "generate", "last_token", "last_token_ends", "mark", "nonoverlapping", "paired_ttest",
     "positionwise", "positionwise_with_reference", "recomputed_window_ppl", "sliding",
     "sliding_windows", "smooth", "summarize", "summary", "verdict",

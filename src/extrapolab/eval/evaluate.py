@@ -2,8 +2,9 @@
 
 Protocols: ``nonoverlapping`` (E1), ``sliding`` (E2), ``last_token`` (E3), ``positionwise`` (E4,
 with its windowed@L_tr reference), ``cached`` and ``recomputed`` (E5). The verdict (E6, Qin def.
-0.1) is computed for every perplexity-by-length protocol that ran; ``train_length`` is always
-added to the lengths because it is the verdict's reference ppl_m.
+0.1) is computed for every perplexity-by-length protocol that ran; ``train_length`` is added to the
+lengths when one of them exceeds it, because it is the verdict's reference ppl_m (when every length
+is at most L_tr there is nothing beyond L_tr to judge, and L_tr is not run: :func:`eval_lengths`).
 
 A length that cannot run (no learned embedding past L_tr, stream too short, does not fit in
 memory even at batch size 1) is recorded as ``{"error": "<one line>"}`` and the other lengths go
@@ -49,6 +50,23 @@ def _jsonable(x):
     if isinstance(x, np.bool_):
         return bool(x)
     return x
+
+
+def eval_lengths(lengths: Iterable[int], train_length: int) -> tuple[list[int], str]:
+    """(the lengths :func:`evaluate` runs, sorted, and why): the requested ones, plus L_tr -- the
+    verdict's reference -- when some requested length exceeds it."""
+    asked = sorted({check_length(x) for x in lengths})
+    m = check_length(train_length, "train_length")
+    shown = ", ".join(f"{L:,}" for L in asked)
+    if not asked:
+        return [m], f"L_tr = {m:,} only (no lengths asked for)"
+    if asked[-1] > m and m not in asked:
+        return sorted({*asked, m}), (f"lengths {shown} and L_tr = {m:,} (the verdict's reference: "
+                                     f"ppl at L_tr against each length above it)")
+    if asked[-1] > m:
+        return asked, f"lengths {shown} (L_tr = {m:,} among them, the verdict's reference)"
+    return asked, (f"lengths {shown} only: none exceeds L_tr = {m:,}, so there is no verdict and L_tr is "
+                   "not added")
 
 
 def _per_length(fn, lengths):
@@ -100,7 +118,7 @@ def evaluate(
     check_vocab(model, tok)
     m = check_length(train_length, "train_length")
     protos = check_protocols(protocols)
-    Ls = sorted({check_length(x) for x in lengths} | {m})
+    Ls, _ = eval_lengths(lengths, m)
     opts = resolve_opts(opts, temperature=None if temperature == 1.0 else temperature_record(temperature))
     if hasattr(model, "check_opts"):  # a per-layer temperature that does not fit fails once, here
         model.check_opts(opts)
@@ -165,6 +183,9 @@ def evaluate(
     out["ppl"] = {p: {L: out[p][L].get("ppl") for L in Ls} for p in protos if p in BY_LENGTH}
     out["verdict"] = {}
     for p, table in out["ppl"].items():
+        if Ls[-1] <= m:  # nothing beyond L_tr to judge
+            out["verdict"][p] = {"skipped": f"every length is at most L_tr = {m}"}
+            continue
         try:
             out["verdict"][p] = verdict(table, m, delta)
         except UserError as err:

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ..eval import evaluate_config, positionwise
+from ..eval import eval_lengths, evaluate_config, positionwise
 from ..io import UserError
 from ..model.attention import AttnOptions, temperature_record
 from .cached import prepare
@@ -58,7 +58,7 @@ def evaluate_hf(model, tokens, ecfg, train_length: int, progress: bool = False) 
         sub.protocols = by_length
         res = evaluate_config(model, tokens, sub, train_length, progress=progress)
     else:  # position-wise only: the same layout without per-length tables
-        res = {"train_length": int(train_length), "lengths": sorted({*map(int, ecfg.lengths), int(train_length)}),
+        res = {"train_length": int(train_length), "lengths": eval_lengths(ecfg.lengths, train_length)[0],
                "settings": {"position_segments": int(ecfg.position_segments), "batch_size": int(ecfg.batch_size),
                             "temperature": temperature_record(ecfg.temperature), "stream_tokens": int(len(tokens))},
                "seconds": {}, "ppl": {}, "verdict": {}}

@@ -81,12 +81,19 @@ class HFModel:
     info: dict = field(default_factory=dict)
 
 
+def rope_tag(text: str) -> str:
+    """``--rope`` text as a file-name part: ``yarn:4`` -> ``yarn4``, ``rerope:512+logn`` -> ``rerope512-logn``;
+    a text with lists or a file: its kind and a hash of the text, so the name stays short."""
+    tag = str(text).replace(":", "").replace(",", "_").replace("+", "-")
+    if not re.fullmatch(r"[\w.=-]{0,64}", tag):
+        tag = f"{str(text).partition(':')[0]}-{hashlib.sha256(str(text).encode()).hexdigest()[:10]}"
+    return tag
+
+
 def default_out(loaded: "HFModel") -> Path:
     """runs/hf-<folder name>[-<rope kind><factor>]: where eval, align and erf of hf:PATH write by default
     (a --rope with lists or a file: its kind and a hash of its text, so the folder name stays short)."""
-    tag = "-" + loaded.rope.replace(":", "").replace(",", "_").replace("+", "-") if loaded.rope else ""
-    if not re.fullmatch(r"[\w.=-]{0,64}", tag):
-        tag = f"-{loaded.rope.partition(':')[0]}-{hashlib.sha256(loaded.rope.encode()).hexdigest()[:10]}"
+    tag = "-" + rope_tag(loaded.rope) if loaded.rope else ""
     return Path("runs") / f"hf-{loaded.name}{tag}"
 
 

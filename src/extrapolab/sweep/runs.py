@@ -1,4 +1,11 @@
-"""`extrapolab eval RUN`: evaluate one trained run with the protocols E1-E6 and write eval.json."""
+"""`extrapolab eval RUN`: evaluate one trained run with the protocols E1-E6 and write eval.json.
+
+``--rope TEXT`` evaluates a run trained with plain ``rotary`` with that extension swapped in (the
+mapping of `align rope`, align/rope_methods.py) and writes ``eval-rope-<tag>.json`` beside the plain
+``eval.json``; on an ``hf:`` model it is applied when the model is loaded (hf/load.py) and named the
+same way. Before anything runs, the CLI is told which lengths will run and why (L_tr is added as the
+verdict's reference only when some length exceeds it: ``eval.eval_lengths``).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,11 +40,39 @@ def _temperature(spec: str, run: Path, lengths: list[int]) -> float | dict:
     return {L: load_temperature(run, L) for L in lengths}
 
 
+def result_name(temperature: str, rope: str | None = None, bca: bool = False) -> str:
+    """eval.json, or the file of an evaluation that is not the plain one (nothing overwrites another):
+    ``eval[-rope-<tag>][-temperature-<tau>][-bca].json``."""
+    from ..hf.load import rope_tag
+
+    name = "eval" + (f"-rope-{rope_tag(rope)}" if rope else "")
+    name += "" if temperature in ("1", "1.0") else f"-temperature-{temperature}"
+    return name + ("-bca" if bca else "") + ".json"
+
+
+def _run_rope(cfg, rope: str):
+    """The scheme ``--rope`` swaps onto a run trained with plain rotary, or a one-line refusal."""
+    from ..align.rope_methods import rope_scheme
+    from ..hf.load import parse_rope
+
+    parse_rope(rope)  # an unknown kind or a bad number fails first, whatever the run
+    m = cfg.model
+    if m.arch != "gpt" or m.scheme != "rotary":
+        what = "RegularGPT" if m.arch != "gpt" else f"scheme {m.scheme!r}"
+        raise UserError(f"--rope extends a run trained with plain rotary; {cfg.name} uses {what}: drop --rope")
+    return rope_scheme(rope, m.heads, m.train_length, m.scheme_params)
+
+
 def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str = "1.0",
-             overrides=None, which: str = "best", device: str = "auto", dtype: str = "auto") -> dict:
-    """Evaluate ``run`` on ``device`` under ``dtype`` autocast (train.placement rules; recorded in eval.json)."""
+             overrides=None, which: str = "best", device: str = "auto", dtype: str = "auto",
+             rope: str | None = None, say=None) -> dict:
+    """Evaluate ``run`` on ``device`` under ``dtype`` autocast (train.placement rules; recorded in eval.json);
+    ``rope``: an extension swapped onto a plain rotary run (module doc); ``say``: told what will run."""
+    from contextlib import nullcontext
+
+    from ..align.rope_methods import swapped
     from ..data import prepare
-    from ..eval import evaluate_config
+    from ..eval import eval_lengths, evaluate_config
     from ..train import load_model, placement
 
     run = Path(run)
@@ -50,22 +85,27 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
     if protocols:
         ecfg.protocols = list(protocols)
     ecfg.lengths = _lengths(lengths) or ecfg.lengths
+    scheme = _run_rope(cfg, rope) if rope else None
     place = placement(device, dtype)
     model, _ = load_model(run, which=which, device=place.device)
     model.eval()
     data = prepare(cfg.data, progress=False)
     tokens = data.split(ecfg.split)
     tau = _temperature(temperature, run, ecfg.lengths)
+    say = say or (lambda _m: None)
+    say(f"evaluating {eval_lengths(ecfg.lengths, cfg.model.train_length)[1]}")
+    if scheme is not None:
+        say(f"--rope {rope}: {scheme.name} {scheme.options()} in place of the run's rotary")
 
     def run_fn(e):
-        with place.autocast():
+        with place.autocast(), swapped(model, scheme) if scheme is not None else nullcontext():
             return evaluate_config(model, tokens, e, cfg.model.train_length, positions=C.eval_positions(cfg))
 
     res, md = _evaluate_taus(tau, ecfg, run_fn)
     res["placement"] = place.describe()
-    name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
-    if ecfg.bca:  # blockwise causal attention: its own file next to the plain evaluation
-        name = name.replace(".json", "-bca.json")
+    if scheme is not None:
+        res["rope"] = {"text": rope, "scheme": scheme.name, "options": scheme.options()}
+    name = result_name(temperature, rope, ecfg.bca)  # bca: blockwise causal attention, its own file too
     atomic_write_json(run / name, res)
     return {"result": res, "markdown": md, "path": run / name}
 
@@ -86,9 +126,10 @@ def _evaluate_taus(tau, ecfg, run_fn) -> tuple[dict, str]:
 
 def eval_hf(spec: str, *, protocols=None, lengths=None, temperature: str = "1.0", overrides=None,
             preset: str | None = None, out: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-            rope: str | None = None, train_length: int | None = None) -> dict:
+            rope: str | None = None, train_length: int | None = None, say=None) -> dict:
     """`extrapolab eval hf:PATH`: E1-E4 on a local HF causal LM over our corpus (data.* / eval.* of the
-    preset and --set), tokenized with the model's tokenizer; writes OUT/eval.json."""
+    preset and --set), tokenized with the model's tokenizer; writes OUT/eval.json (module doc)."""
+    from ..eval import eval_lengths
     from ..hf import check_hf_lengths, check_hf_protocols, default_out, evaluate_hf, hf_split, open_hf
 
     cfg = C.resolve(preset, overrides)
@@ -100,15 +141,17 @@ def eval_hf(spec: str, *, protocols=None, lengths=None, temperature: str = "1.0"
     L_tr = model.loaded.train_length
     if not L_tr:
         raise UserError(f"{spec} names no pre-training length in its config; pass --train-length")
-    check_hf_lengths(model, [*ecfg.lengths, L_tr])
+    run_lengths, why = eval_lengths(ecfg.lengths, L_tr)
+    check_hf_lengths(model, run_lengths)
     tokens = hf_split(cfg.data, model.loaded.tokenizer, ecfg.split)
     out = Path(out) if out else default_out(model.loaded)
     out.mkdir(parents=True, exist_ok=True)
     if temperature == "auto" and not (out / "temperature.json").is_file():
         raise UserError(f"no temperature.json in {out}; run `extrapolab align {spec} --out {out} --lengths ...` first")
     tau = _temperature(temperature, out, ecfg.lengths)
+    (say or (lambda _m: None))(f"evaluating {why}")
     res, md = _evaluate_taus(tau, ecfg, lambda e: evaluate_hf(model, tokens, e, L_tr))
-    name = "eval.json" if temperature in ("1", "1.0") else f"eval-temperature-{temperature}.json"
+    name = result_name(temperature, rope)
     atomic_write_json(out / name, res)
     return {"result": res, "markdown": md, "path": out / name}
 
