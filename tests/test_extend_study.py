@@ -192,9 +192,10 @@ def test_teacher_forced_passkey_is_greedy_exact_match_and_chat_wrapped(tmp_path)
         want = greedy(m, torch.tensor([e.prompt]), len(e.answer))[0].tolist()
         e.answer = want  # the answer greedy decoding gives: teacher forcing must find it exactly
     recs = passkey_records(m, ex, 1.0)
-    assert all(r["correct"] and r["pred"] == e.answer for r, e in zip(recs, ex))
-    ex[0].answer = [(ex[0].answer[0] + 1) % 300, *ex[0].answer[1:]]
-    assert not passkey_records(m, ex[:1], 1.0)[0]["correct"]
+    assert all(r["correct"] and r["retrieved"] and r["pred"] == e.answer for r, e in zip(recs, ex))
+    ex[0].answer = [*ex[0].answer[:-1], (ex[0].answer[-1] + 1) % 300]  # the value's last token wrong
+    one = passkey_records(m, ex[:1], 1.0)[0]
+    assert not one["correct"] and not one["retrieved"] and one["lead_ok"]
 
 
 def test_checkpointed_last_token_erf_is_the_gradient(tmp_path):

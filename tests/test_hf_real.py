@@ -75,3 +75,28 @@ def test_gemma3_e1_equals_transformers_loss_after_bos():
         raw = math.exp(float(model(input_ids=x[:, 1:], labels=x[:, 1:]).loss))
     assert got["tokens"] == L and got["ppl"] == pytest.approx(ref, rel=1e-4)
     assert raw > ref  # without its BOS the model reads the window out of distribution
+
+
+@pytest.mark.slow
+def test_smollm2_passkey_fails_at_its_first_word_not_at_the_key():
+    """The extension study's low in-context passkey (docs/results/extend-quick.md): after the assistant's
+    "The pass key is", SmolLM2-135M-Instruct puts " a" before the separator " " the answer starts with,
+    then reads every digit of the key right; without the chat template the separator comes first. The
+    answer ids are the prompt's own tokenization (" " then one token per digit), so no tokenization
+    mismatch is involved, and greedy decoding agrees with the teacher-forced whole-answer match."""
+    from extrapolab.extend.cells import passkey_records
+    from extrapolab.hf.data import HFCodec, chat_wrap
+    from extrapolab.tasks.retrieval import answer_ids, greedy, make_examples
+
+    m = open_hf(f"hf:{_fetched('smollm2')}", device="cpu", dtype="fp32", cache_dir=CACHE)
+    tok, codec = m.loaded.tokenizer, HFCodec(m.loaded.tokenizer)
+    a, lead = answer_ids(codec, "The pass key is", "17759")
+    assert [tok.decode([i]) for i in a] == [" ", "1", "7", "7", "5", "9"] and lead == 1
+    chat = make_examples("passkey", [2048], [0.1], 1, 1, tokenizer=codec, chat=chat_wrap(tok))[0]
+    plain = make_examples("passkey", [2048], [0.1], 1, 1, tokenizer=codec)[0]
+    assert chat.value == plain.value == "17759" and chat.answer == plain.answer == a
+    (c,), (p,) = passkey_records(m, [chat], 1.0), passkey_records(m, [plain], 1.0)
+    assert tok.decode(c["pred"][:1]) == " a" and c["retrieved"] and not c["correct"]
+    assert p["retrieved"] and p["correct"]
+    got = greedy(m, torch.tensor([chat.prompt]), len(chat.answer))[0].tolist()
+    assert got[0] == c["pred"][0] and got != chat.answer  # greedy puts the same first word

@@ -116,3 +116,75 @@ def test_scoring_oracle_is_perfect_and_random_model_fails(kind, tmp_path):
     assert "| oracle | 100 | 100 | 100 |" in table and "| none | 0 | 0 | 0 |" in table
     for p in R.plot_heatmap(recs, tmp_path / "heat"):
         assert Path(p).stat().st_size > 1000
+
+
+class _Piece:
+    """A SentencePiece-like toy codec: a space is glued to the word after it ('▁12' style), digits
+    one by one; so the separator is never a token of its own."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text):
+        out, word = [], ""
+        for ch in text:
+            if ch == " " or (ch.isdigit() and word and not word.endswith(" ")):
+                if word:
+                    out.append(word)
+                word = ch
+            else:
+                word += ch
+        if word:
+            out.append(word)
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in out]
+
+
+@pytest.mark.parametrize("tok_name", ["bytes", "bpe", "piece"])
+def test_answer_ids_are_the_value_as_it_follows_the_prompt(tok_name, bpe):
+    """The answer is tokenized as it reads after the answer prefix (joint encoding), and ``lead``
+    marks the separator only where the tokenizer encodes it alone: the scorer can tell the value
+    from the word a model puts first (the cause of the study's low passkey, docs/results)."""
+    tok = {"bytes": BytesCodec(), "bpe": bpe, "piece": _Piece()}[tok_name]
+    a, lead = R.answer_ids(tok, "The pass key is", "17759")
+    joint, head = tok.encode("The pass key is 17759"), tok.encode("The pass key is")
+    assert list(joint[:len(head)]) == list(head) and a == list(joint[len(head):])
+    sep = list(tok.encode(" "))
+    if tok_name == "bytes":
+        assert lead == 1 and a == [32, *b"17759"]
+    elif tok_name == "piece":
+        assert lead == 0 and len(a) == 5  # '▁1', '7', '7', '5', '9': no separator token to tell apart
+    else:
+        assert lead in (0, len(sep)) and (lead == 0) == (a[:len(sep)] != sep)
+    for e in R.make_examples("passkey", [300], [0.5], 2, seed=1, tokenizer=tok):
+        assert e.lead == lead and e.answer == R.answer_ids(tok, "\nWhat is the pass key? The pass key is",
+                                                           e.value)[0]
+
+
+def test_teacher_forced_value_and_greedy_answer_tell_the_separator_apart():
+    """A model that knows the key but starts its answer with another word (SmolLM2-Instruct after
+    "The pass key is": " a") fails greedy exact match and the whole-answer teacher-forced match
+    alike, and retrieves the value: the two numbers the extension study reports."""
+    from extrapolab.extend.cells import passkey_records
+
+    ex = R.make_examples("passkey", [300], [0.0, 1.0], 1, seed=2)
+    assert all(e.lead == 1 for e in ex)
+    WORD = ord("a")
+
+    class LeadFirst(torch.nn.Module):  # knows the value; at the separator's step prefers "a"
+        def forward(self, idx, opts=None):
+            out = torch.zeros(idx.shape[0], idx.shape[1], 257)  # [B, n, V]
+            for b, row in enumerate(idx.tolist()):
+                e = next(e for e in ex if row[:len(e.prompt)] == e.prompt)
+                for t in range(len(e.prompt) - 1, len(row)):  # position t predicts token t + 1
+                    j = t + 1 - len(e.prompt)  # answer index
+                    if j < len(e.answer):
+                        out[b, t, e.answer[j]] = 1.0
+                        if j < e.lead:
+                            out[b, t, WORD] = 2.0
+            return out
+
+    recs = passkey_records(LeadFirst(), ex, 1.0)
+    assert all(r["retrieved"] and not r["correct"] and not r["lead_ok"] for r in recs)
+    assert all(r["pred"][0] == WORD and r["pred"][1:] == r["answer"][1:] for r in recs)
+    greedy = R.score(LeadFirst(), ex)  # greedy decoding says what the whole-answer match says
+    assert [g["correct"] for g in greedy] == [r["correct"] for r in recs] == [False, False]

@@ -18,7 +18,8 @@ On the SAME weights (a local folder or a GGUF file), with L_ctx the model's cont
    more than 10% perplexity cost on the same tokens. Each of
    ``long_factors`` (4x) takes the methods that held at the factor before it, best (lowest mean
    ratio) first, at most ``long_methods``, on ``long_corpora``;
-4. passkey (chat template where the tokenizer has one; teacher-forced exact match): plain RoPE at
+4. passkey (chat template where the tokenizer has one; teacher-forced: the value retrieved, and the
+   whole answer = greedy exact match, :func:`.cells.passkey_records`): plain RoPE at
    ``passkey_lengths`` and L_ctx (the in-context baseline), and at each of ``passkey_factors`` > 1
    the methods that hold there (at most ``passkey_methods``, best first);
 5. the ERF (Sandwich §5.1) at ``erf_factor`` x L_ctx for ``erf_methods`` (``best``: the method that
@@ -203,7 +204,7 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
                 ex = make_examples("passkey", [Lp], spec.passkey_depths, spec.passkey_n, spec.seed,
                                    tokenizer=HFCodec(tok), preamble=True, chat=chat)
                 st = {"L": Lp, "rope": st0.rope, "tau": st0.tau, "depths": spec.passkey_depths, "n": spec.passkey_n,
-                      "seed": spec.seed, "chat": chat is not None}
+                      "seed": spec.seed, "chat": chat is not None, "scoring": "value"}
                 say(f"passkey L={Lp}: {m} ({len(ex)} trials)")
                 plan.passkey.setdefault(m, {})[str(Lp)] = stages.run(
                     f"cells/passkey-{Lp}-{plan.short(st0.key())}", st,

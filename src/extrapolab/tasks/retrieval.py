@@ -17,8 +17,12 @@ An instruct model reads the task as one user turn of its chat template: ``chat=(
 (token ids around the user's text, e.g. from ``hf.data.chat_wrap``) puts ``head`` before the
 preamble, asks the question as the user ("What is the pass key?"), closes the turn with ``tail``
 and starts the assistant's answer ("The pass key is"), whose continuation is the answer.
-Everything is a pure function of (seed, kind, length, depth, index): adding lengths never changes
-other examples. Scoring: exact match of greedy decoding (full-context ``model(idx)``, no cache)
+The answer is " " + the value, tokenized as it follows the prompt in running text
+(:func:`answer_ids`); ``Example.lead`` counts its tokens before the value's own (the separator, for
+tokenizers that encode the space alone), so a scorer can tell retrieving the value from the
+separator a model may not put first (an instruct model may continue "The pass key is" with " a
+..."). Everything is a pure function of (seed, kind, length, depth, index): adding lengths never
+changes other examples. Scoring: exact match of greedy decoding (full-context ``model(idx)``, no cache)
 of as many tokens as the answer has, per L_ex and depth, at any temperature: a tau other than 1
 is applied by the caller's ``scope(model, tau)`` context (the alignment study passes
 ``align.temperature_scope``; this package knows no temperature).
@@ -63,6 +67,7 @@ class Example:
     target_length: int
     key: str
     value: str
+    lead: int = 0  # answer tokens before the value's own: the separator, where the tokenizer encodes it alone
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,17 +81,34 @@ def _enc(tok, text: str) -> list[int]:
     return [int(i) for i in tok.encode(text)]
 
 
+def answer_ids(tok, before: str, value: str) -> tuple[list[int], int]:
+    """(ids of " " + ``value`` as they follow ``before`` -- the text the prompt ends with -- in running
+    text, how many of them come before the value's own ids). The ids are the tail of the joint
+    encoding of ``before`` + " " + ``value`` where that encoding starts with ``before``'s ids, so they
+    are what a model reading the prompt would have to produce (no split of a merged token); ``lead``
+    is the separator's ids when the tokenizer encodes the space apart from the digits (SmolLM2:
+    ' ' then '1', '2', ...; a byte codec: b' '), else 0 (a tokenizer whose ' 12' is one token)."""
+    head, joint = _enc(tok, before), _enc(tok, f"{before} {value}")
+    a = joint[len(head):] if joint[:len(head)] == head else _enc(tok, f" {value}")
+    sep, own = _enc(tok, " "), _enc(tok, value)
+    lead = len(sep) if sep and a == sep + own else 0
+    return a, lead
+
+
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise UserError(f"unknown retrieval task {kind!r}; use one of: {', '.join(KINDS)}")
 
 
-def _question(kind: str, tok, chat, key) -> list[int]:
-    """The question's ids; with ``chat`` the user asks, ``tail`` ends the turn, the assistant starts."""
+def _question(kind: str, tok, chat, key) -> tuple[list[int], str]:
+    """(the question's ids, the text the prompt ends with: the answer prefix); with ``chat`` the user
+    asks, ``tail`` ends the turn, the assistant starts."""
     if chat is None:
-        return _enc(tok, TEMPLATES[kind][1].format(k=key))
+        text = TEMPLATES[kind][1].format(k=key)
+        return _enc(tok, text), text
     user, reply = CHAT_QA[kind]
-    return _enc(tok, user.format(k=key)) + [int(i) for i in chat[1]] + _enc(tok, reply.format(k=key))
+    reply = reply.format(k=key)
+    return _enc(tok, user.format(k=key)) + [int(i) for i in chat[1]] + _enc(tok, reply), reply
 
 
 def make_example(kind: str, length: int, depth: float, rng: np.random.Generator, tok, preamble: bool = True,
@@ -96,13 +118,14 @@ def make_example(kind: str, length: int, depth: float, rng: np.random.Generator,
     _check_kind(kind)
     if not 0.0 <= depth <= 1.0:
         raise UserError(f"needle depth must be in [0, 1], got {depth}")
-    pre_t, _, a_t = TEMPLATES[kind]
+    pre_t = TEMPLATES[kind][0]
     pre = ([int(i) for i in chat[0]] if chat else []) + (_enc(tok, pre_t) if preamble else [])
     if kind == "passkey":
         v = str(int(rng.integers(10000, 100000)))
         k = "pass key"
         needle = _enc(tok, f" The pass key is {v}. Remember it. {v} is the pass key.")
-        q, a = _question(kind, tok, chat, k), _enc(tok, a_t.format(v=v))
+        q, before = _question(kind, tok, chat, k)
+        a, lead = answer_ids(tok, before, v)
         budget = length - len(pre) - len(needle) - len(q) - len(a)
         units, start = [], int(rng.integers(len(JUNK)))
         junk = [_enc(tok, " " + s) for s in JUNK]
@@ -125,7 +148,8 @@ def make_example(kind: str, length: int, depth: float, rng: np.random.Generator,
         while True:  # drop lines until the question and answer fit as well
             at = int(round(depth * max(n - 1, 0)))
             k, v = str(keys[at]), str(vals[at])
-            q, a = _question(kind, tok, chat, k), _enc(tok, a_t.format(v=v))
+            q, before = _question(kind, tok, chat, k)
+            a, lead = answer_ids(tok, before, v)
             if n < 2 or len(pre) + sum(len(x) for x in lines[:n]) + len(q) + len(a) <= length:
                 break
             n -= 1
@@ -139,7 +163,7 @@ def make_example(kind: str, length: int, depth: float, rng: np.random.Generator,
         raise UserError(f"length {length} is too short for the {kind} task: it needs >= "
                         f"{min_length(kind, tok, preamble, chat)} tokens; use longer lengths (or no preamble)")
     needle_pos = sum(len(p) for p in [pre, *body_before])
-    return Example(kind, prompt, a, float(depth), needle_pos, len(prompt) + len(a), int(length), k, v)
+    return Example(kind, prompt, a, float(depth), needle_pos, len(prompt) + len(a), int(length), k, v, lead)
 
 
 def min_length(kind: str, tokenizer=None, preamble: bool = True, chat=None) -> int:
@@ -152,7 +176,7 @@ def min_length(kind: str, tokenizer=None, preamble: bool = True, chat=None) -> i
         n += len(_enc(tok, " The pass key is 99999. Remember it. 99999 is the pass key."))
     else:
         n += 2 * len(_enc(tok, "line 9999: value 99999\n"))
-    return n + len(_question(kind, tok, chat, 9999)) + len(_enc(tok, a_t.format(v=99999))) + 4
+    return n + len(_question(kind, tok, chat, 9999)[0]) + len(_enc(tok, a_t.format(v=99999))) + 4
 
 
 def _rng(seed: int, kind: str, *more: int) -> np.random.Generator:
