@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 108 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 112 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -721,6 +721,24 @@ def test_rope_kind_specs_are_one_line(case, spec, needles):
     else:
         cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=48)  # head 8: 4 pairs
     raises(case, lambda: apply_rope(cfg, spec), *needles)
+@pytest.mark.parametrize("case, over, needles", [
+    ("extension study: a passkey factor where no method runs", ["extend.passkey_factors=[1,3]"],
+     ["must be among the full and long factors"]),
+    ("extension study: no window", ["extend.windows=0"], ["extend.windows, long_windows and align_windows >= 1"]),
+    ("extension study: more ERF segments than windows", ["extend.windows=2", "extend.erf_segments=3"],
+     ["at most extend.windows = 2"]),
+])
+def test_extension_study_settings_are_one_line(case, over, needles):
+    from extrapolab.extend.spec import load_extend_preset
+
+    raises(case, lambda: load_extend_preset("extend-smoke", over), *needles)
+
+
+def test_extension_study_windows_that_do_not_fit():
+    from extrapolab.extend.cells import window_ends
+
+    raises("extension study: windows that do not fit the test split",
+           lambda: window_ends(5000, 1024, 512, 12, "the test split of pydoc"), "use extend.windows <= 8")
 
 
 @pytest.mark.parametrize("case, name, opts, needles", [

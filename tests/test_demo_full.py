@@ -68,7 +68,7 @@ def test_every_preset_loads_and_validates(name):
         spec, _ = load_spec(name, [])
         assert spec.budget and spec.n >= 1
     elif "extend" in raw:
-        from extrapolab.extend.study import load_extend_preset
+        from extrapolab.extend.spec import load_extend_preset
 
         load_extend_preset(name)
     else:

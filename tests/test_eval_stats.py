@@ -147,3 +147,22 @@ def test_one_seed_table_says_no_test_was_run_instead_of_the_legend():
     # as soon as one cell is tested, the †/* key is printed
     md4, _ = format_table({"sandwich": {512: [20.0, 21.0]}, "alibi": {512: [25.0, 27.0]}}, "sandwich", [512])
     assert "significantly better than x" in md4
+
+
+def test_paired_interval_is_scipys_paired_t_interval():
+    from extrapolab.eval import paired_interval, t_interval
+
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(2.0, 0.3, 7), rng.normal(1.9, 0.3, 7)
+    ref = sps.ttest_rel(a, b).confidence_interval(0.95)  # scipy's own interval of the mean difference
+    got = paired_interval(dict(enumerate(a)), dict(enumerate(b)))
+    assert (got["lo"], got["hi"], got["n"]) == pytest.approx((ref.low, ref.high, 7), rel=1e-12)
+    assert got["mean"] == pytest.approx(paired_ttest(a, b)["mean_diff"], rel=1e-12)
+    one = sps.ttest_1samp(a, 0.0).confidence_interval(0.9)
+    t = t_interval(a, alpha=0.1)
+    assert (t["lo"], t["hi"]) == pytest.approx((one.low, one.high), rel=1e-12)
+    assert paired_interval({1: 2.0, 2: 3.0, 9: 1.0}, {2: 2.5, 1: 1.0})["mean"] == pytest.approx(0.75)  # by key
+    single = t_interval([1.5])
+    assert single["n"] == 1 and single["lo"] == -math.inf and single["hi"] == math.inf  # one value: no interval
+    flat = t_interval([2.0, 2.0, 2.0])
+    assert flat["lo"] == flat["hi"] == 2.0

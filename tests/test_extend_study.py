@@ -19,7 +19,8 @@ from hf_tiny import TEXT, save_tiny, tokenizer  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from extrapolab.extend.cells import passkey_records, score_cell, setting  # noqa: E402
-from extrapolab.extend.study import load_extend_preset, run_extend_study  # noqa: E402
+from extrapolab.extend.spec import load_extend_preset
+from extrapolab.extend.study import run_extend_study  # noqa: E402
 from extrapolab.tasks.retrieval import greedy, make_examples  # noqa: E402
 from extrapolab.align.rules import GRID  # noqa: E402
 from extrapolab.cli.main import app  # noqa: E402
@@ -98,24 +99,70 @@ def test_every_method_at_1x_and_2x_identical_cells_once(smoke):
     assert two["pmax-layer"]["tau"] == (layer if len(set(layer)) > 1 else layer[0])
 
 
+def _ratio_interval(num, den):
+    """exp of the mean paired difference and of its Student-t 95% interval, written out here."""
+    from scipy import stats
+
+    d = np.asarray(num) - np.asarray(den)
+    half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+    return math.exp(d.mean()), math.exp(d.mean() - half), math.exp(d.mean() + half)
+
+
 def test_holds_long_lengths_passkey_and_erf_follow_the_rules(smoke):
     _, _, _, res, (prose, code) = smoke
     r = res["results"]
     ratio = r["spec"]["hold_ratio"]
     holds = r["holds"]["512"]
     for m, h in holds.items():
-        want = {c: r["cells"][m]["512"][c]["tail_ppl"] / r["cells"]["rope"]["256"][c]["e1"] for c in (prose, code)}
-        assert h["ratio"] == pytest.approx(want) and h["holds"] == all(v <= ratio for v in want.values())
-    ok = sorted((m for m, h in holds.items() if h["holds"] and m != "dynamic"),
+        for c in (prose, code):
+            cell, ref = r["cells"][m]["512"][c], r["cells"]["rope"]["256"][c]
+            assert cell["ends"] == ref["ends"] == r["ends"][c] and len(cell["ends"]) == 3  # paired windows
+            point, lo, hi = _ratio_interval(cell["win_tail_nll"], ref["win_nll"])
+            assert point == pytest.approx(cell["tail_ppl"] / ref["e1"], rel=1e-9)
+            assert (h["ratio"][c], h["lo"][c], h["hi"][c], h["n"][c]) == pytest.approx((point, lo, hi, 3), rel=1e-9)
+        want = "holds" if all(h["hi"][c] <= ratio for c in h["hi"]) else \
+            "fails" if any(h["lo"][c] > ratio for c in h["lo"]) else "unresolved"
+        assert h["verdict"] == want and h["holds"] == (want == "holds")
+    ok = sorted((m for m, h in holds.items() if h["holds"] and not r["cells"][m]["512"][prose]["same_as"]),
                 key=lambda m: np.mean(list(holds[m]["ratio"].values())))
-    assert r["long"]["1024"] == ok[:2]
+    assert len(ok) >= 1 and r["long"]["1024"] == ok[:2]
     for m in ok[:2]:
         assert list(r["cells"][m]["1024"]) == [prose]  # 4x on the long corpus only
-    assert sorted(r["passkey"]["rope"]) == ["230", "256"]
-    assert {m for m in r["passkey"] if m != "rope"} == set(ok[:2])
-    assert all(len(recs) == 2 for byL in r["passkey"].values() for recs in byL.values())  # 2 depths x n = 1
+        e4 = r["cells"][m]["1024"][prose]["ends"]  # 2 of the corpus's windows, at least 4x apart
+        assert len(e4) == 2 and set(e4) <= set(r["ends"][prose]) and e4[1] - e4[0] >= 1024
+    pk = r["tasks"]["passkey"]
+    assert sorted(pk["rope"]) == ["230", "256", "512"]  # below L_ctx, 1x, 2x (plain RoPE measured there)
+    assert {m for m in pk if "256" in pk[m]} == set(METHODS)  # 1x: every method, settings that coincide once
+    assert all(pk[m]["256"][0]["same_as"] == ("rope" if m not in ("rope", "rerope") else None) for m in METHODS)
+    assert {m for m in pk if "512" in pk[m]} == {"rope", *ok[:2]}
+    four = sorted((m for m in r["long"]["1024"] if r["holds"]["1024"][m]["holds"]
+                   and not r["cells"][m]["1024"][prose]["same_as"]),  # one per setting, as at 2x
+                  key=lambda m: np.mean(list(r["holds"]["1024"][m]["ratio"].values())))[:2]
+    assert {m for m in pk if "1024" in pk[m]} == set(four)
+    assert all(len(recs) == 2 for byL in pk.values() for recs in byL.values())  # 2 depths x n = 1
     assert list(r["erf"]) == ["rope", *ok[:1]] and all(e["checkpointed"] for e in r["erf"].values())
     assert all(len(e["c"]) == 513 and 0 < e["erf_tokens"] <= 512 for e in r["erf"].values())
+
+
+def test_verdict_is_decided_on_the_interval_not_the_point():
+    from types import SimpleNamespace
+
+    from extrapolab.extend.plan import Plan
+
+    spec = SimpleNamespace(methods=["rope", "a", "b", "c", "d"], hold_ratio=1.10, full_factors=[1.0, 2.0],
+                           long_factors=[], long_corpora=[])
+    p = Plan(spec, 100)
+    ends = [300, 500, 700, 900]
+    base = [2.0, 2.5, 1.8, 3.0]
+    p.cells["rope"]["100"] = {"x": {"ends": ends, "win_nll": base, "same_as": None}}
+    lg = math.log
+    for m, d in {"a": [lg(1.05)] * 3 + [lg(1.049)], "b": [lg(1.05) + x for x in (0.3, -0.3, 0.25, -0.25)],
+                 "c": [lg(1.3), lg(1.25), lg(1.35), lg(1.3)], "d": [lg(0.9)]}.items():
+        k = len(d)
+        p.cells[m]["200"] = {"x": {"ends": ends[:k], "win_tail_nll": list(np.add(base[:k], d)), "same_as": None}}
+    assert p.ratios("b", 200)["x"] == pytest.approx(p.ratios("a", 200)["x"], rel=1e-3)  # the same point, 1.05
+    assert [p.verdict(m, 200) for m in "abcd"] == ["holds", "unresolved", "fails", "unresolved"]  # d: one window
+    assert p.best(200, 5) == ["a"]
 
 
 def test_e1_e3_e4_of_one_forward_equal_the_protocols(smoke):
@@ -129,32 +176,39 @@ def test_e1_e3_e4_of_one_forward_equal_the_protocols(smoke):
                            f"data.corpus={prose}"])
     tokens = hf_split(cfg.data, m.loaded.tokenizer, "test")
     e = np.asarray(r["ends"][prose])
-    assert e.tolist() == [1024]  # one window; ends at the longest length read on this corpus
+    assert len(e) == 3 and e[0] >= 1024 and np.diff(e).min() >= 512  # 3 windows: the first fits 4x, 2x apart
     cell = r["cells"]["rope"]["512"][prose]
     assert cell == {**score_cell(m, tokens, e, 512, 1.0, 256), "rope": None, "tau": 1.0, "same_as": None}
     one = r["cells"]["rope"]["256"][prose]
     assert one["tail"] == 256 and one["tail_ppl"] == pytest.approx(one["e1"], rel=1e-9)  # at 1x the tail is the window
     from extrapolab.eval.core import score_windows
 
-    same = score_windows(m, tokens, [e[0] - 512], 512, 256, batch_size=1).mean_nll  # the 1x cell's targets
+    same = score_windows(m, tokens, e - 512, 512, 256, batch_size=1).mean_nll  # the 1x cell's targets
     assert cell["tail"] == 256 and cell["tail_ppl"] == pytest.approx(math.exp(same), rel=1e-6)
-    assert cell["e1"] == pytest.approx(nonoverlapping(m, np.asarray(tokens[e[0] - 512:e[0] + 1]), 512)["ppl"], rel=1e-6)
-    assert cell["e3"] == pytest.approx(last_token(m, tokens, [513], n=1, max_length=1025)[513], rel=1e-5)
-    assert np.mean(cell["e4_nll"]) == pytest.approx(cell["e1_nll"], rel=1e-4) and cell["e3_n"] == 1
+    for i, x in enumerate(e):  # each window's own numbers are the protocols' on that window
+        alone = nonoverlapping(m, np.asarray(tokens[x - 512:x + 1]), 512)["ppl"]
+        assert math.exp(cell["win_nll"][i]) == pytest.approx(alone, rel=1e-6)
+        assert one["win_nll"][i] == pytest.approx(score_windows(m, tokens, [x - 256], 256, 0).mean_nll, rel=1e-6)
+        end = last_token(m, np.asarray(tokens[x - 512:x + 1]), [513], n=1, max_length=513)[513]
+        assert math.exp(cell["win_e3_nll"][i]) == pytest.approx(end, rel=1e-5)
+    assert cell["e1"] == pytest.approx(math.exp(np.mean(cell["win_nll"])), rel=1e-9)
+    assert cell["e3"] == pytest.approx(math.exp(np.mean(cell["win_e3_nll"])), rel=1e-9) and cell["e3_n"] == 3
+    assert np.mean(cell["e4_nll"]) == pytest.approx(cell["e1_nll"], rel=1e-4)
 
 
 def test_report_files_and_resume_through_the_cli(smoke):
     tmp, folder, over, res, _ = smoke
     out = res["out"]
     for name in ("summary.md", "e1.md", "e1.csv", "e3.csv", "passkey.csv", "temperature.csv", "report.md",
-                 "results.json", "config.yaml"):
+                 "results.json", "config.yaml", "comparisons.csv"):
         assert (out / name).is_file(), name
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 5  # E1 x 2 corpora, E4, passkey, ERF
     assert (out / "tail.csv").is_file() and "token_acc" in (out / "passkey.csv").read_text()
     md = (out / "report.md").read_text()
     for needle in ("holds at 512 (2x)", "extend-smoke", "last-L_ctx ppl / plain RoPE", "Self-Extend", "dynamic NTK",
-                   "τ: Alg. 1 P_max", "Wall time", "sha256", "extrapolab extend hf:"):
+                   "τ: Alg. 1 P_max", "Wall time", "sha256", "extrapolab extend hf:", "Windows per cell",
+                   "1x: 3; 2x: 3; 4x: 2", "ratio intervals reach", "Paired comparisons", "passkey retrieved @ 4x"):
         assert needle in md, needle
     assert {row["method"] for row in _rows(out / "e1.csv")} == set(METHODS)
     r = CliRunner().invoke(app, ["extend", f"hf:{folder}", "--preset", "extend-smoke", "--out", str(out),
@@ -222,10 +276,15 @@ def test_bad_presets_and_models(tmp_path):
         load_extend_preset("extend-smoke", ["extend.full_factors=[2]"])
     with pytest.raises(UserError, match="long_corpora"):
         load_extend_preset("extend-smoke", ["extend.long_corpora=[pydoc]"])
-    for preset in ("extend-quick", "extend-smoke"):
+    for preset in ("extend-quick", "extend-smoke", "extend-standard", "extend-gpu"):
         cfg, spec = load_extend_preset(preset)
-        assert spec.full_factors == [1.0, 2.0] and spec.long_factors == [4.0]
+        assert spec.full_factors == [1.0, 2.0] and spec.long_factors == [4.0] and spec.windows >= 3
+        assert 4.0 in spec.passkey_factors or preset == "extend-quick"  # passkey at 1x, 2x, 4x
+    assert min(load_extend_preset("extend-gpu")[1].windows, load_extend_preset("extend-gpu")[1].long_windows) >= 32
     gpt2 = save_tiny("gpt2", tmp_path / "gpt2")
+    before = set(tmp_path.iterdir())
+    r = CliRunner().invoke(app, ["extend", f"hf:{tmp_path / 'absent'}", "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and set(tmp_path.iterdir()) == before
     for verb in (["extend"], ["align", "rope"]):  # the study's verb and its older spelling
         r = CliRunner().invoke(app, [*verb, f"hf:{gpt2}", "--preset", "extend-smoke", "--out",
                                      str(tmp_path / "o"), "--set", f"data.cache_dir={tmp_path / 'c'}"])

@@ -10,12 +10,12 @@ from .cached import cached_window_ppl, compare_cached, generate, recomputed_wind
 from .evaluate import PROTOCOLS, eval_lengths, evaluate, evaluate_config
 from .perplexity import last_token, last_token_ends, nonoverlapping, sliding, sliding_windows
 from .positionwise import positionwise, positionwise_with_reference, smooth
-from .stats import format_table, mark, paired_ttest, summarize, summary
+from .stats import format_table, mark, paired_interval, paired_ttest, summarize, summary, t_interval
 from .verdict import verdict
 
 __all__ = [
     "PROTOCOLS", "cached_window_ppl", "compare_cached", "eval_lengths", "evaluate", "evaluate_config", "format_table",
-    "generate", "last_token", "last_token_ends", "mark", "nonoverlapping", "paired_ttest",
+    "generate", "last_token", "last_token_ends", "mark", "nonoverlapping", "paired_interval", "paired_ttest",
     "positionwise", "positionwise_with_reference", "recomputed_window_ppl", "sliding",
-    "sliding_windows", "smooth", "summarize", "summary", "verdict",
+    "sliding_windows", "smooth", "summarize", "summary", "t_interval", "verdict",
 ]

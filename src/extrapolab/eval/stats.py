@@ -1,4 +1,5 @@
-"""E7 multi-seed tables (Sandwich, Chi et al. 2023, Table 3; thesis Tables 3.2-3.5).
+"""E7 multi-seed tables (Sandwich, Chi et al. 2023, Table 3; thesis Tables 3.2-3.5), and Student-t
+intervals of a mean and of paired differences (:func:`t_interval`, :func:`paired_interval`).
 
 Table 3 reports mean ± std over five seeds and its caption reads: "x† means sandwich is
 statistically significantly *better* than x. x* means sandwich is statistically significantly
@@ -95,6 +96,29 @@ def paired_ttest(a, b) -> dict:
         return {"t": math.copysign(math.inf, d[0]), "p": 0.0, "n": n, "mean_diff": mean_diff}
     res = sps.ttest_rel(xa, xb)  # two-sided by default
     return {"t": float(res.statistic), "p": float(res.pvalue), "n": n, "mean_diff": mean_diff}
+
+
+def t_interval(values, alpha: float = ALPHA) -> dict:
+    """Mean of ``values`` (finite ones) with its two-sided 1 - ``alpha`` Student-t interval
+    (scipy.stats.t): {mean, lo, hi, half, sd, n}. One value gives no interval (lo = -inf, hi = inf);
+    values that are all equal give lo = hi = mean."""
+    x = np.asarray([float(v) for v in _values(values) if _finite(v)], dtype=np.float64)
+    n = int(x.size)
+    if n == 0:
+        return {"mean": math.nan, "lo": -math.inf, "hi": math.inf, "half": math.inf, "sd": math.nan, "n": 0}
+    mean = float(x.mean())
+    if n < 2:
+        return {"mean": mean, "lo": -math.inf, "hi": math.inf, "half": math.inf, "sd": math.nan, "n": 1}
+    sd = float(x.std(ddof=1))
+    half = float(sps.t.ppf(1 - alpha / 2, n - 1)) * sd / math.sqrt(n)
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "half": half, "sd": sd, "n": n}
+
+
+def paired_interval(a, b, alpha: float = ALPHA) -> dict:
+    """:func:`t_interval` of the paired differences a - b (paired by key for mappings, by order
+    otherwise, finite pairs only: :func:`paired`); its mean is ``paired_ttest``'s mean_diff."""
+    xa, xb = paired(a, b)
+    return t_interval(xa - xb, alpha)
 
 
 def mark(reference, other, *, alpha: float = ALPHA, lower_is_better: bool = True) -> str:

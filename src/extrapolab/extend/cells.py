@@ -18,8 +18,9 @@ what a user who wants L tokens would set. Cells whose settings coincide are comp
   NTK-aware with s = L/L_ctx (tests/test_extend_study.py checks the logits), the same cell.
 
 Per cell, on each corpus: E1, E3 and E4 from the SAME forwards (:func:`score_cell`): ``windows``
-windows of L tokens ending at fixed end tokens e_1..e_n (the same at every L, at least the longest
-L apart): E1 = perplexity of every prediction of those (disjoint) windows, E3 = perplexity of the
+windows of L tokens ending at fixed end tokens e_1..e_n (the same for every method and at every full
+factor, at least the longest full-factor L apart; a long factor reads a subset of them at least its
+L apart, :func:`spaced`): E1 = perplexity of every prediction of those (disjoint) windows, E3 = perplexity of the
 end tokens, each predicted from the L tokens before it (``eval.last_token`` at L_ex = L + 1), E4 =
 mean NLL per position; and the perplexity of each window's last L_ctx predictions (``tail_ppl``):
 the very tokens the 1x cell scores, now read after L - L_ctx more tokens -- what "holds" compares
@@ -130,37 +131,56 @@ class Models:
         return self.model
 
 
-def window_ends(n_tokens: int, longest: int, windows: int, what: str) -> np.ndarray:
-    """End tokens of the cells' windows: ``windows`` stream indices evenly spaced over
-    [longest, n_tokens - 1], at least ``longest`` apart (so the windows never overlap)."""
+def window_ends(n_tokens: int, first: int, spacing: int, windows: int, what: str) -> np.ndarray:
+    """End tokens of the cells' windows on one corpus: ``windows`` stream indices evenly spread over
+    [``first``, n_tokens - 1] (``first``: the longest window read there, so every window fits), at
+    least ``spacing`` apart (the longest full-factor length: one cell's windows never overlap)."""
     from ..eval.core import evenly_spaced
 
-    if n_tokens - 1 < longest:
-        raise UserError(f"{what} has {n_tokens} tokens, fewer than the longest length {longest} + 1; use a bigger "
+    if n_tokens - 1 < first:
+        raise UserError(f"{what} has {n_tokens} tokens, fewer than the longest length {first} + 1; use a bigger "
                         "corpus (data.max_bytes=0) or smaller extend.factors")
-    ends = evenly_spaced(longest, n_tokens - 1, windows)
-    if len(ends) < windows or (len(ends) > 1 and int(np.diff(ends).min()) < longest):
-        fit = (n_tokens - 1) // longest
-        raise UserError(f"{what} has {n_tokens} tokens: {windows} windows of {longest} do not fit apart; use "
-                        f"extend.windows <= {fit} or a bigger corpus")
+    ends = evenly_spaced(first, n_tokens - 1, windows)
+    if len(ends) < windows or (len(ends) > 1 and int(np.diff(ends).min()) < spacing):
+        fit = 1 + (n_tokens - 1 - first) // spacing
+        raise UserError(f"{what} has {n_tokens} tokens: {windows} windows {spacing} apart do not fit; use "
+                        f"extend.windows <= {fit}, a bigger corpus or a larger data.test_percent")
     return ends
+
+
+def spaced(ends, spacing: int, k: int) -> np.ndarray:
+    """At most ``k`` of ``ends``, at least ``spacing`` apart, spread over them (the windows of a long
+    factor: a subset of the corpus's ends, so they pair with the 1x cell's windows)."""
+    picked: list[int] = []
+    for e in ends:
+        if not picked or int(e) - picked[-1] >= spacing:
+            picked.append(int(e))
+    idx = np.round(np.linspace(0, len(picked) - 1, min(int(k), len(picked)))).astype(int)
+    return np.asarray(picked, dtype=np.int64)[np.unique(idx)]
 
 
 def score_cell(model, tokens, ends: np.ndarray, L: int, tau, tail: int | None = None) -> dict:
     """E1, E3 and E4 of the windows of ``L`` tokens ending at ``ends`` (module doc), one forward each,
-    and the perplexity of their last ``tail`` predictions (L_ctx: the tokens the 1x cell scores)."""
+    the perplexity of their last ``tail`` predictions (L_ctx: the tokens the 1x cell scores), and each
+    window's own mean NLL, last-``tail`` NLL and end-token NLL (``win_*``, in ``ends`` order: the
+    paired intervals of :mod:`.plan`)."""
     opts = AttnOptions(temperature=list(tau) if isinstance(tau, tuple) else tau)
-    s = score_windows(model, tokens, np.asarray(ends) - L, L, 0, batch_size=1, opts=opts, per_position=True)
-    nll = s.pos_sum / s.pos_count  # [L]
+    curves = []
+    for e in np.asarray(ends):
+        s = score_windows(model, tokens, [int(e) - L], L, 0, batch_size=1, opts=opts, per_position=True)
+        curves.append(s.pos_sum / s.pos_count)  # [L]
+    nll = np.stack(curves)  # [n, L]
     tail = min(int(tail or L), L)
-    tail_nll = float(nll[L - tail:].mean())  # every position holds one prediction per window
+    win, win_tail, win_e3 = nll.mean(1), nll[:, L - tail:].mean(1), nll[:, -1]  # [n] each
     width = max(1, L // E4_POINTS)
     m = L // width * width
-    curve = nll[:m].reshape(-1, width).mean(1)  # [<= E4_POINTS]
-    return {"e1": ppl_of(s.mean_nll), "e1_nll": s.mean_nll, "tokens": int(s.count), "tail": tail,
-            "tail_ppl": ppl_of(tail_nll), "tail_nll": tail_nll,
-            "e3": ppl_of(float(nll[-1])), "e3_nll": float(nll[-1]), "e3_n": int(len(ends)),
-            "e4_bin": width, "e4_nll": [round(float(v), 5) for v in curve]}
+    curve = nll.mean(0)[:m].reshape(-1, width).mean(1)  # [<= E4_POINTS]
+    return {"e1": ppl_of(float(win.mean())), "e1_nll": float(win.mean()), "tokens": int(nll.size), "tail": tail,
+            "tail_ppl": ppl_of(float(win_tail.mean())), "tail_nll": float(win_tail.mean()),
+            "e3": ppl_of(float(win_e3.mean())), "e3_nll": float(win_e3.mean()), "e3_n": int(len(ends)),
+            "e4_bin": width, "e4_nll": [round(float(v), 5) for v in curve], "ends": [int(e) for e in ends],
+            "win_nll": [float(v) for v in win], "win_tail_nll": [float(v) for v in win_tail],
+            "win_e3_nll": [float(v) for v in win_e3]}
 
 
 def passkey_records(model, examples, tau) -> list[dict]:

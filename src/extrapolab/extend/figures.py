@@ -64,7 +64,8 @@ def plot_e1(results: dict, corpus: str, stem: Path) -> str:
 
 def plot_passkey(results: dict, stem: Path) -> str | None:
     records = [{**r, "correct": r.get("retrieved", r["correct"]), "rule": label(m), "length": int(L)}
-               for m, byL in results["passkey"].items() for L, recs in byL.items() for r in recs]
+               for m, byL in results.get("tasks", {}).get("passkey", {}).items() for L, recs in byL.items()
+               for r in recs if not r.get("same_as")]
     if not records:
         return None
     return plot_heatmap(records, stem, title="passkey, the value retrieved")[0]
