@@ -321,7 +321,7 @@ def test_bad_dca_specs_fail_in_one_line(llama, bad, match):
 
 
 def test_align_rope_takes_dca_and_streaming_with_their_reference_defaults():
-    from extrapolab.align.rope_study import METHODS, method_setup
+    from extrapolab.align.rope_methods import METHODS, method_setup
     from extrapolab.align.rope_report import LABELS
 
     s, tau = method_setup("dca", 128, 512, 4, {})
@@ -332,10 +332,10 @@ def test_align_rope_takes_dca_and_streaming_with_their_reference_defaults():
 
 
 def test_extension_study_takes_dca_and_streaming_when_named():
-    """`align rope hf:PATH --set extend.methods=[..., dca, streaming]`: their --rope settings per length;
+    """`extend hf:PATH --set extend.methods=[..., dca, streaming]`: their --rope settings per length;
     off by default (the published runs did not have them)."""
-    from extrapolab.align.extend_cells import METHODS, setting
-    from extrapolab.align.extend_study import ExtendSpec
+    from extrapolab.extend.cells import METHODS, setting
+    from extrapolab.extend.spec import ExtendSpec
 
     L = 8192
     assert setting("dca", L, L).rope == setting("dca", 4 * L, L).rope == "dca:6144"  # differs at 1x too
