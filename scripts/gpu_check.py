@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -28,11 +29,16 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMES = ("rotary", "xpos", "hybrid", "nope-headscale", "alibi", "sandwich", "windowed", "qin-type1", "kerple-log",
-           "t5", "fox", "fire", "t5@flex", "kerple-log@flex")  # @flex: training the learnable tables through
-# FlexAttention's own gradient beside the automatic rule's dense mask (memory-efficient SDPA): the A/B behind the rule
+#: the bench's schemes in chunks, one process each (NoPE timed next to every row in each): a compile that is slow
+#: or a process that dies costs one chunk, not the table. @flex: training the learnable tables through
+#: FlexAttention's own gradient beside the automatic rule's dense mask (memory-efficient SDPA): the A/B behind the rule
+TRAIN_CHUNKS = {"a": ("rotary", "xpos", "hybrid", "nope-headscale", "alibi", "sandwich", "windowed"),
+                "b": ("qin-type1", "kerple-log", "t5", "fox", "fire"), "c": ("t5@flex", "kerple-log@flex")}
+LONG_CHUNKS = {"a": TRAIN_CHUNKS["a"], "b": TRAIN_CHUNKS["b"]}
+SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: stage -> seconds it may take (sum 480 s = 8 minutes)
-LIMITS = {"pytest": 150, "bench-train": 150, "bench-long": 90, "demo": 60, "torchrun": 30}
+LIMITS = {"pytest": 130, "bench-train-a": 55, "bench-train-b": 75, "bench-train-c": 45, "bench-long-a": 45,
+          "bench-long-b": 45, "demo": 55, "torchrun": 30}
 
 
 def _env() -> dict:
@@ -59,10 +65,17 @@ def _stage(name: str, cmd: list[str], out: Path, limit: float, stages: dict) -> 
     t0 = time.time()
     print(f"[gpu-check] {name}: {' '.join(shlex.quote(c) for c in cmd)} (limit {limit} s)", flush=True)
     with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=limit).returncode
-        except subprocess.TimeoutExpired:
+            rc = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:  # SIGINT first: pytest still writes its JUnit XML of the tests run so far
             rc = 124
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     stages[name] = {"rc": rc, "seconds": round(time.time() - t0, 1), "limit_s": limit,
                     "command": " ".join(shlex.quote(c) for c in cmd)}
     print(f"[gpu-check] {name}: rc {rc} in {stages[name]['seconds']} s", flush=True)
@@ -116,16 +129,19 @@ def main(argv=None) -> int:
     slack = 10 if dry else 1  # a small, shared CPU runs the toy sizes without the GPU's limits
     dev = ["--device", "cpu", "--dtype", "fp32"] if dry else ["--device", "cuda", "--dtype", "bf16"]
     workers = ["-n", str(min(8, os.cpu_count() or 1))] if not dry else []
-    _stage("pytest", [py, "-m", "pytest", "-m", "gpu", "-q", *workers, "--timeout", "180", "-p", "no:cacheprovider",
-                      "-o", "addopts=", "--junitxml", str(out / "pytest-gpu.xml"), "-rfE", "--tb=line", "tests"],
-           out, LIMITS["pytest"] * slack, stages)
-    bench = [py, "-m", "extrapolab", "bench", *dev, "--rounds", "2" if dry else "3",
-             "--schemes", ",".join(SCHEMES[:3] + ("alibi", "fire") if dry else SCHEMES)]
+    _stage("pytest", [py, "-m", "pytest", "-m", "gpu", "-q", *workers, "--timeout", "120", "-p", "no:cacheprovider",
+                      "-p", "no:benchmark", "-o", "addopts=", "--junitxml", str(out / "pytest-gpu.xml"), "-rfE",
+                      "--tb=line", "tests"], out, LIMITS["pytest"] * slack, stages)
+    bench = [py, "-m", "extrapolab", "bench", *dev, "--rounds", "2" if dry else "3"]
     bench += (["--train-lengths", "64", "--long-lengths", "256"] if dry else
               ["--preset", "gpu-quick", "--train-lengths", "512", "--long-lengths", "8192,32768"])
-    for group in ("train", "long"):
-        _stage(f"bench-{group}", bench + ["--groups", group, "--out", str(out / f"bench-{group}.json")],
-               out, LIMITS[f"bench-{group}"] * slack, stages)
+    for group, chunks in (("train", TRAIN_CHUNKS), ("long", LONG_CHUNKS)):
+        for key, schemes in chunks.items():
+            name = f"bench-{group}-{key}"
+            if dry:  # toy rows; CPU FlexAttention has no backward, so @flex rows train as themselves
+                schemes = schemes[:2] + ("alibi", "fire") if key == "a" else (schemes[0].split("@")[0],)
+            _stage(name, bench + ["--schemes", ",".join(schemes), "--groups", group, "--out", str(out / f"{name}.json")],
+                   out, LIMITS[name] * slack, stages)
     demo = [py, "-m", "extrapolab", "demo", "--preset", "smoke" if dry else "gpu-quick", "--out", str(out / "demo"),
             *dev, "--set", "sweep.schemes=[none,alibi]", "--set", "sweep.time_budget_s=0",
             "--set", f"train.steps={20 if dry else 300}", "--set", "eval.protocols=[nonoverlapping]"]
@@ -143,12 +159,13 @@ def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
     from extrapolab.perf.table import check_gpu_goals, format_table
 
     bench = {}
-    for g in ("train", "long"):
-        f = out / f"bench-{g}.json"
-        if f.is_file():
-            res = json.loads(f.read_text())
-            bench.setdefault("meta", res["meta"])
-            bench[g] = res.get(g)
+    for f in sorted(out.glob("bench-*.json")):  # the chunks' rows merged (NoPE's row from the first chunk)
+        res = json.loads(f.read_text())
+        bench.setdefault("meta", res["meta"])
+        for g in ("train", "long"):
+            for L, rows in (res.get(g) or {}).items():
+                merged = bench.setdefault(g, {}).setdefault(L, {})
+                merged.update({k: v for k, v in rows.items() if k not in merged})
     pt = _pytest_summary(out / "pytest-gpu.xml")
     summary = out / "torchrun" / "summary.json"
     run = json.loads(summary.read_text()) if summary.is_file() else {}

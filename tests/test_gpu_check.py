@@ -1,5 +1,5 @@
 """scripts/gpu-check.sh, the one command that proves the CUDA paths on a GPU machine, run here with --dry-run: the
-same five stages at toy sizes on the CPU (pytest -m gpu skips, bench rows with their paths, a demo slice with its
+same stages at toy sizes on the CPU (pytest -m gpu skips, bench rows with their paths, a demo slice with its
 E1 table, a one-process torchrun on gloo), and the report it writes."""
 import json
 import subprocess
@@ -18,9 +18,11 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     out = tmp_path / "out"
     report = (out / "gpu-check.md").read_text()
     assert proc.returncode == 0, report
-    for stage in ("pytest", "bench-train", "bench-long", "demo", "torchrun"):
+    for stage in ("pytest", "bench-train-a", "bench-train-b", "bench-train-c", "bench-long-a", "bench-long-b", "demo",
+                  "torchrun"):
         assert f"| {stage} | 0 |" in report, stage
-    train = json.loads((out / "bench-train.json").read_text())["train"]["64"]
+    train = json.loads((out / "bench-train-a.json").read_text())["train"]["64"]
+    assert "| t5 |" in report and "| qin-type1 |" in report  # the chunks' rows merged into one table
     assert train["alibi"]["paths"] and train["none"]["paths"] == {"causal": train["none"]["paths"]["causal"]}
     assert "| alibi | toeplitz |" in report and "backend gloo, world size 1" in report
     assert "nonoverlapping" in report or "E1" in report
