@@ -32,13 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 #: the bench's schemes in chunks, one process each (NoPE timed next to every row in each): a compile that is slow
 #: or a process that dies costs one chunk, not the table. @flex: training the learnable tables through
 #: FlexAttention's own gradient beside the automatic rule's dense mask (memory-efficient SDPA): the A/B behind the rule
-TRAIN_CHUNKS = {"a": ("rotary", "xpos", "hybrid", "nope-headscale", "alibi", "sandwich", "windowed"),
-                "b": ("qin-type1", "kerple-log", "t5", "fox", "fire"), "c": ("t5@flex", "kerple-log@flex")}
-LONG_CHUNKS = {"a": TRAIN_CHUNKS["a"], "b": TRAIN_CHUNKS["b"]}
+TRAIN_CHUNKS = {"a1": ("rotary", "xpos", "hybrid", "nope-headscale"), "a2": ("alibi", "sandwich", "windowed"),
+                "b1": ("qin-type1", "kerple-log", "t5"), "b2": ("fox", "fire"), "c": ("t5@flex", "kerple-log@flex")}
+LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"], "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"]}
 SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
-#: stage -> seconds it may take (sum 480 s = 8 minutes)
-LIMITS = {"pytest": 130, "bench-train-a": 55, "bench-train-b": 75, "bench-train-c": 45, "bench-long-a": 45,
-          "bench-long-b": 45, "demo": 55, "torchrun": 30}
+#: stage -> seconds it may take. A bare machine compiles every FlexAttention kernel cold (on an H100 with torch
+#: 2.11, eight fp32 flex forward+backward tests compiling side by side took 85-100 s each), so the budget is
+#: ~9 minutes, not the 8 the issue hoped for; a stage past its limit keeps what it wrote (see _stage)
+LIMITS = {"pytest": 120, "bench-train-a1": 35, "bench-train-a2": 60, "bench-train-b1": 60, "bench-train-b2": 60,
+          "bench-train-c": 50, "bench-long-a": 50, "bench-long-b": 55, "demo": 40, "torchrun": 25}
 
 
 def _env() -> dict:
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
     dry = args.dry_run
     slack = 10 if dry else 1  # a small, shared CPU runs the toy sizes without the GPU's limits
     dev = ["--device", "cpu", "--dtype", "fp32"] if dry else ["--device", "cuda", "--dtype", "bf16"]
-    workers = ["-n", str(min(8, os.cpu_count() or 1))] if not dry else []
+    workers = ["-n", str(min(16, os.cpu_count() or 1))] if not dry else []
     _stage("pytest", [py, "-m", "pytest", "-m", "gpu", "-q", *workers, "--timeout", "120", "-p", "no:cacheprovider",
                       "-p", "no:benchmark", "-o", "addopts=", "--junitxml", str(out / "pytest-gpu.xml"), "-rfE",
                       "--tb=line", "tests"], out, LIMITS["pytest"] * slack, stages)
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
         for key, schemes in chunks.items():
             name = f"bench-{group}-{key}"
             if dry:  # toy rows; CPU FlexAttention has no backward, so @flex rows train as themselves
-                schemes = schemes[:2] + ("alibi", "fire") if key == "a" else (schemes[0].split("@")[0],)
+                schemes = ("rotary", "xpos", "alibi", "fire") if key == "a1" else (schemes[0].split("@")[0],)
             _stage(name, bench + ["--schemes", ",".join(schemes), "--groups", group, "--out", str(out / f"{name}.json")],
                    out, LIMITS[name] * slack, stages)
     demo = [py, "-m", "extrapolab", "demo", "--preset", "smoke" if dry else "gpu-quick", "--out", str(out / "demo"),
