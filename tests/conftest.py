@@ -8,6 +8,11 @@ torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Under xdist each worker compiles its own kernels: one inductor compile process per worker, not a pool of one
+# per CPU in every worker (16 workers x 16 pool processes importing torch stalled every compile on a 16-core
+# GPU machine; docs/results/gpu-h100.md)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -26,3 +26,10 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     assert train["alibi"]["paths"] and train["none"]["paths"] == {"causal": train["none"]["paths"]["causal"]}
     assert "| alibi | toeplitz |" in report and "backend gloo, world size 1" in report
     assert "nonoverlapping" in report or "E1" in report
+    # a check split into two commands (a GPU machine whose commands stop at 10 minutes): the second reruns one
+    # stage and its report still covers every stage recorded in OUT
+    again = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(out), "--dry-run",
+                            "--stages", "torchrun"], capture_output=True, text=True, timeout=600)
+    report2 = (out / "gpu-check.md").read_text()
+    assert again.returncode == 0 and "| bench-long-b | 0 |" in report2 and "| torchrun | 0 |" in report2
+    assert again.stdout.count("[gpu-check] torchrun: rc") == 1 and "[gpu-check] pytest: rc" not in again.stdout

@@ -31,12 +31,15 @@ def attention_only(model: GPT, B: int, L: int, grad: bool) -> Callable[[], None]
 
     def run() -> None:
         with torch.set_grad_enabled(grad):
+            # under the bench's autocast q, k, v arrive in its dtype, as the model's projections hand them over
+            amp = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else None
+            args = [t.to(amp) for t in qkv] if amp is not None else qkv
             bias = model.shared_bias(pos, opts)
             total = 0.0
             for i in range(cfg.layers):
                 s = model.scheme.for_layer(i)
                 p = s.content_positions(hidden, i) if s.has_content else None
-                total = total + attend(*qkv, pos, pos, s, i, opts, bias, content=None if p is None else (p, p),
+                total = total + attend(*args, pos, pos, s, i, opts, bias, content=None if p is None else (p, p),
                                        **model.blocks[i].extras.attend_kwargs())[0].sum()  # sinks, SSMax
             if grad:
                 total.backward()
