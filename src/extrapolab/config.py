@@ -161,6 +161,10 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             value = yaml.safe_load(value)
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        inner = typ.__args__[1] if len(getattr(typ, "__args__", ())) == 2 else None
+        if inner is not None and dataclasses.is_dataclass(inner):  # e.g. model.types: {name: LayerType}
+            return {str(k): v if isinstance(v, inner) else _coerce(v or {}, inner, f"{where}.{k}")
+                    for k, v in value.items()}
         return dict(value)
     if getattr(typ, "__args__", None) and type(None) in typ.__args__:  # Optional[X]
         if value is None or value == "null":
