@@ -85,7 +85,7 @@ def _check_inner(inner: PositionalScheme, what: str) -> None:
     if not why and inner.has_bias and not _toeplitz_bias(inner):
         why = "its bias is not one table of the distance"
     if why:
-        raise SchemeError(f"a layer type with a {what} cannot run scheme {inner.name!r} ({why}); give that type no "
+        raise SchemeError(f"a {what} cannot restrict scheme {inner.name!r} ({why}); give that type no "
                           f"{what}, or a scheme such as rotary, none or alibi")
 
 
@@ -229,8 +229,12 @@ class Layout(PositionalScheme):
             raise SchemeError(f"layer type {t!r}: scheme {name!r} is {kind}; give a per-layer scheme such as rotary, "
                               "none, nope-headscale or alibi")
         accepted = scheme_params(cls)
-        inner = build(name, self.num_heads, **params,
-                      **{k: v for k, v in self._sizes.items() if k in accepted and k not in params})
+        try:
+            inner = build(name, self.num_heads, **params,
+                          **{k: v for k, v in self._sizes.items() if k in accepted and k not in params})
+        except SchemeError as e:  # the scheme's own fix names model.scheme_params: here it is the type's
+            raise SchemeError(f"layer type {t!r}: " + str(e).replace("model.scheme_params", f"model.types.{t}."
+                              "scheme_params")) from None
         for what, size in (("window", spec.window), ("chunk", spec.chunk)):
             if size and context and int(size) > int(context):
                 raise SchemeError(f"layer type {t!r}: {what} {size} is larger than the context model.train_length="
@@ -238,11 +242,12 @@ class Layout(PositionalScheme):
                                   f"or drop it (a full layer)")
         if spec.window and spec.chunk:
             raise SchemeError(f"layer type {t!r} has a window and a chunk; give it one of them (or two types)")
-        if spec.window:
-            return SlidingWindow(self.num_heads, inner, spec.window)
-        if spec.chunk:
-            return Chunked(self.num_heads, inner, spec.chunk)
-        return inner
+        try:
+            if spec.window:
+                return SlidingWindow(self.num_heads, inner, spec.window)
+            return Chunked(self.num_heads, inner, spec.chunk) if spec.chunk else inner
+        except SchemeError as e:
+            raise SchemeError(f"layer type {t!r}: {e}") from None
 
     def for_layer(self, layer: int) -> PositionalScheme:
         if not 0 <= int(layer) < len(self._per_layer):
