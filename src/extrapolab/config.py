@@ -105,6 +105,8 @@ class EvalConfig:
     erf_length: int = 0  # sweeps: A1 ERF of predicting this token after evaluation (0 = off)
     erf_segments: int = 4  # segments averaged for that ERF
     trf_eps: float = 0.01  # sweeps: A2 TRF threshold on the trained scheme
+    #: sweeps: A6 attention mass on the first token per layer at L_tr and at erf_length (with erf_length > 0)
+    first_token: bool = False
     bca: bool = False  # E1-E4 with blockwise causal attention (xPos §3.3, eval/bca.py), any scheme
     bca_block: int = 0  # its block size; 0 = L_tr / 2 (the paper's)
     #: positions at evaluation: "train" (as train.positions: random runs are scored at random positions,
