@@ -16,10 +16,8 @@ ones this scheme had before it became a layout, so its checkpoints load as they 
 from __future__ import annotations
 
 from .base import SchemeError
-from .layout import LayerType, Layout, SlidingWindow
+from .layout import LayerType, Layout
 from .registry import register
-
-WindowedScheme = SlidingWindow  # the window over the RoPE layers, under its name before the layouts
 
 
 @register
