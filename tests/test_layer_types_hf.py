@@ -93,3 +93,10 @@ def test_rope_at_type_parses_and_flat_models_keep_their_rewrite():
     assert s.rewrite_params == {"beta_fast": 16.0}
     assert parse_rope("longrope:8,long=[1,2,3,4]@full").rewrite_params == {"long_factor": [1.0, 2.0, 3.0, 4.0]}
     assert parse_rope("yarn:4").layer_type is None
+
+
+def test_default_out_folder_names_the_layer_type(gemma):
+    from extrapolab.hf import default_out
+
+    m = open_hf(f"hf:{gemma}", device="cpu", dtype="fp32", rope="yarn:4@full")
+    assert default_out(m.loaded).name == "hf-g-yarn4-full"

@@ -84,9 +84,10 @@ class HFModel:
 
 
 def rope_tag(text: str) -> str:
-    """``--rope`` text as a file-name part: ``yarn:4`` -> ``yarn4``, ``rerope:512+logn`` -> ``rerope512-logn``;
+    """``--rope`` text as a file-name part: ``yarn:4`` -> ``yarn4``, ``rerope:512+logn`` -> ``rerope512-logn``,
+    ``yarn:4@full`` -> ``yarn4-full``;
     a text with lists or a file: its kind and a hash of the text, so the name stays short."""
-    tag = str(text).replace(":", "").replace(",", "_").replace("+", "-")
+    tag = str(text).replace(":", "").replace(",", "_").replace("+", "-").replace("@", "-")
     if not re.fullmatch(r"[\w.=-]{0,64}", tag):
         tag = f"{str(text).partition(':')[0]}-{hashlib.sha256(str(text).encode()).hexdigest()[:10]}"
     return tag
