@@ -3,9 +3,12 @@
 Positions are explicit inputs; the model has no maximum length except learned APE, whose
 ``check_length`` refuses longer inputs with a one-line error. One scheme instance is shared by
 every layer (T5/KERPLE parameters are per head, shared across layers, as in HF T5 and the
-official KERPLE code). A relative bias is computed once per forward as an O(H·L) distance table
-(:class:`~.tables.DistanceBias`) shared by every layer; other biases as one [H, L, L] tensor when
-it fits the memory budget. Attention itself is :func:`~.attention.attend` (docs/attention.md).
+official KERPLE code); with layer types (``layer_types``, ``types``, ``layout``) it is a
+:class:`~..positional.layout.Layout`, one scheme per type, and each block attends with its type's
+(``for_layer``; a chunked type chunk by chunk, :mod:`.chunked`). A relative bias is computed once per
+forward as an O(H·L) distance table (:class:`~.tables.DistanceBias`) shared by every layer; other biases
+as one [H, L, L] tensor when it fits the memory budget. Attention itself is :func:`~.attention.attend`
+(docs/attention.md).
 """
 from __future__ import annotations
 
