@@ -188,3 +188,40 @@ def test_a_checkpoint_of_the_old_hybrid_scheme_loads_and_gives_its_logits(tmp_pa
     assert cfg.model.scheme == "hybrid" and model.scheme.for_layer(0).name == "rotary+window7"
     with torch.no_grad():
         assert (model(ref["idx"]) - ref["logits"]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["gemma3", "irope"])
+def test_layouts_take_the_attention_options(layout):
+    """Sinks, SSMax, QK-norm and the gate on a layout: every impl agrees, cached == parallel; chunk by chunk
+    equals the chunk mask on the reference path with the same sink logits and SSMax scales."""
+    m = _model(layout, LAYOUTS[layout], sinks=True, ssmax=True, qk_norm=True, gate=True)
+    with torch.no_grad():
+        for blk in m.blocks:  # away from their initial values, so that each option bites
+            for p in blk.extras.parameters():
+                p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.5)
+    idx = torch.randint(0, 50, (2, 80), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = m(idx)
+        assert (m(idx, opts=AttnOptions(impl="plain")) - full).abs().max() < 3e-5
+        assert (decode(m, idx, 9, KVCache(len(m.blocks))) - full).abs().max() < 3e-5
+    s = Chunked(4, P.build("rotary", 4), 16)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 70, 8, generator=g) for _ in range(3))
+    pos, ex = torch.arange(70), {"sinks": torch.randn(4, generator=g), "ssmax": torch.rand(4, generator=g) + 0.5}
+    from extrapolab.model.attention import attend
+
+    sink_only = {"sinks": ex["sinks"]}
+    got, _ = attend_layer(q, k, v, pos, pos, s, 0, AttnOptions(), **sink_only)
+    want, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="plain"), **sink_only)  # the dense chunk mask
+    assert (got - want).abs().max() < 1e-5
+    # with SSMax, n is the number of keys the query sees: its chunk's up to it (written out, gpt-oss's sink column
+    # scaled with the logits, as attend scales it)
+    got, _ = attend_layer(q, k, v, pos, pos, s, 0, AttnOptions(), **ex)
+    qr, kr = s.inner.rotate(q, k, pos, pos)
+    m, n = pos[:, None], pos[None, :]
+    vis = (n <= m) & (n // 16 == m // 16)  # [70, 70]
+    beta = ex["ssmax"][:, None] * torch.log((m % 16 + 1).double().T.float())  # [H, 70]: s_h log n_m
+    lg = (qr @ kr.transpose(-1, -2) / math.sqrt(8)) * beta[None, :, :, None]  # [1, H, 70, 70]
+    lg = torch.cat([lg.masked_fill(~vis, -math.inf), (ex["sinks"][:, None] * beta)[None, :, :, None]], -1)
+    want = lg.softmax(-1)[..., :-1] @ v  # the sink column has no value
+    assert (got - want).abs().max() < 1e-5

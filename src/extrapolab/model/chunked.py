@@ -12,15 +12,18 @@ Each call takes the inner scheme's path (causal SDPA for RoPE, Toeplitz for a di
 tensor larger than [B, H, c, c] per chunk exists. Where a call must see absolute positions (a
 temperature per query, a bias that is not a distance table) or asks for probabilities or a logits
 sink, the chunks run one call each at their own positions; positions that do not increase take the
-dense mask of ``Chunked.bias`` on attend's fallback path. Every other layer is :func:`attend` itself.
+dense mask of ``Chunked.bias`` on attend's fallback path. Every other layer is :func:`attend` itself; with
+SSMax a sliding layer's window is also the call's ``AttnOptions.window`` (the same mask), so that SSMax's n
+counts the keys the layer sees (``reference.keys_seen`` reads that option), with a KV cache or without.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from ..positional.layout import Chunked
+from ..positional.layout import Chunked, SlidingWindow
 from .attention import AttnOptions, attend
 from .tables import is_toeplitz
 
@@ -36,6 +39,11 @@ def attend_layer(q, k, v, q_pos, k_pos, scheme, layer: int = 0, opts: AttnOption
     """:func:`~.attention.attend` with the same arguments, chunk by chunk for a chunked layer (module doc);
     ``extras``: the layer's model options (``sinks``, ``ssmax``), per query, so per chunk alike."""
     s = scheme.for_layer(layer)
+    if isinstance(s, SlidingWindow) and extras.get("ssmax") is not None:
+        # SSMax's n counts the keys within AttnOptions.window (reference.keys_seen): the layer's window is the
+        # call's too (the same mask), so n = min(m + 1, w) as the layer sees, in a KV cache and without one
+        opts = opts or AttnOptions()
+        opts = replace(opts, window=min(opts.window or s.window, s.window))
     if not isinstance(s, Chunked):
         return attend(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, rotate, content=content, **extras)
     opts = opts or AttnOptions()
