@@ -50,6 +50,8 @@ COPE, COPE_SETTING = ("Golovneva et al. 2024 (CoPE), arXiv 2405.18719, abstract:
 DAPE, DAPE_SETTING = ("Zheng et al. 2024 (DAPE), arXiv 2405.14722, abstract",
                       "Arxiv, Books3, CHE; trained at 128, better than static encodings at 8192")
 GEMMA3 = "Gemma Team 2025, Gemma 3 Technical Report, arXiv 2503.19786"
+GATE, GATE_SETTING = ("Qiu et al. 2025 (Gated Attention), arXiv 2505.06708, abstract",
+                      "1.7B dense and 15B MoE models, 3.5T tokens")
 RNOPE, RNOPE_SETTING = ("Yang et al. 2025 (Rope to Nope and Back Again), arXiv 2501.18795",
                         "8B-size models, long-context tasks (NIAH, RULER), not perplexity")
 SMOL, SMOL_SETTING = ("Hugging Face 2025, SmolLM3 blog (NoPE every 4th layer: 'improves long context performance "
@@ -115,9 +117,24 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("rotary-longrope", "below", "LongRoPE's rescaling extends RoPE beyond L_tr without fine-tuning (8x)",
           "Ding et al. 2024 (LongRoPE), arXiv 2402.13753, abstract", "rotary",
           setting="searched non-uniform factors; here uniform long factors = s, so PI with LongRoPE's attention factor"),
-    # attention sinks / SSMax (issue 33 §2) add theirs here when they land, e.g. a sink's A6 claim:
-    # Claim("<sink label>", "below", "a learned sink lowers the attention on the first token", ..., "rotary",
-    #       protocol=A6), and SSMax "flatter" than RoPE (Nakanishi 2025, arXiv 2501.19399, abstract).
+    # the attention options and schemes of issue 33 §2 (layouts-quick): A6 is the attention on token 0
+    Claim("rotary+sinks", "below", "a learned sink logit per head takes the attention the first token absorbs",
+          "OpenAI 2025, gpt-oss model card (learned sink per head); Xiao et al. 2024 (StreamingLLM), arXiv 2309.17453, "
+          "§3.3 (a dedicated learnable sink)", "rotary", protocol=A6, setting="gpt-oss 20B/120B; StreamingLLM 160M "
+          "models pre-trained with a sink token"),
+    Claim("rotary+ssmax", "flatter", "SSMax keeps attention from flattening beyond the training length",
+          "Nakanishi 2025 (Scalable-Softmax), arXiv 2501.19399, abstract", "rotary",
+          setting="the paper's pre-trained models (scale not read here: the claim is from the abstract)"),
+    Claim("rotary+gate", "below", "the output gate mitigates the attention sink", GATE, "rotary", protocol=A6,
+          setting=GATE_SETTING),
+    Claim("rotary+gate", "flatter", "the output gate enhances long-context extrapolation", GATE, "rotary",
+          setting=GATE_SETTING),
+    Claim("pope", "flatter", "PoPE extrapolates zero-shot where RoPE degrades",
+          "Gopalakrishnan et al. 2025 (PoPE), arXiv 2509.10534, abstract", "rotary",
+          setting="the paper's sequence models (scale not read here: the claim is from the abstract)"),
+    Claim("selective", "at_or_below", "selective attention improves language-modelling perplexity",
+          "Leviathan et al. 2025 (Selective Attention), arXiv 2410.02703, abstract", "rotary", lengths="train",
+          setting="C4 language modelling (sizes not read here: the claim is from the abstract)"),
 )
 
 
