@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 112 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 126 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -37,6 +37,11 @@ fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cann
 DCA and StreamingLLM's sink tokens (6): a DCA chunk past L_tr, a local window as wide as the chunks,
 sinks plus window past L_tr (schemes); eval.sinks below -1, eval.sinks on a learned-position run; bench --hf
 --sinks without a window.
+Layer types (14): an unknown type; a pattern not dividing the layer count; a window or chunk larger than
+the context; both on one type; a window over a scheme that cannot take one; a misspelt type field; an
+unknown published layout, one with no global layer at the model's depth; a rope kind's list of the wrong
+length in a type; through --rope: a layer type the model lacks, longrope@TYPE without its list, @TYPE on
+a model with one rope_parameters, @TYPE after a non-rewrite.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -769,6 +774,56 @@ def test_bench_sinks_spec_is_one_line():
     from extrapolab.hf.bench import parse_sinks
 
     raises("bench --hf --sinks without a window", lambda: parse_sinks("4"), "--sinks takes K:W", "4:1024")
+# ---- layer types (positional/layout.py) and --rope per layer type (hf/layer_types.py) ------------------
+@pytest.mark.parametrize("case, over, needles", [
+    ("unknown layer type", ["model.layer_types=[sliding, full]"],
+     ["unknown layer type 'sliding'", "model.types.sliding={window: 16}", "one of: full"]),
+    ("layer pattern not dividing the layer count", ["model.layers=6", "model.layer_types=[a, a, a, full]",
+                                                   "model.types.a.window=8"],
+     ["4 entries, which does not divide model.layers=6", "one type per layer (6 entries)"]),
+    ("layer window larger than the context", ["model.layer_types=[local, full]", "model.types.local.window=100"],
+     ["window 100 is larger than the context model.train_length=64", "window <= 64"]),
+    ("layer chunk larger than the context", ["model.layer_types=[local, full]", "model.types.local.chunk=65"],
+     ["chunk 65 is larger than the context", "chunk <= 64"]),
+    ("layer type with a window and a chunk", ["model.layer_types=[local, full]", "model.types.local.window=8",
+                                             "model.types.local.chunk=8"], ["window and a chunk", "one of them"]),
+    ("layer window on a scheme that cannot take one", ["model.layer_types=[local, full]",
+                                                      "model.types.local={scheme: cope, window: 8}"],
+     ["layer type 'local'", "cannot restrict scheme 'cope'", "give that type no window"]),
+    ("unknown field of a layer type", ["model.layer_types=[local, full]", "model.types.local.windw=8"],
+     ["model.types.local.windw", "did you mean config.model.types.local.window?"]),
+    ("unknown published layout", ["model.layout=gema3"], ["unknown layout 'gema3'", "gemma3, rnope-swa"]),
+    ("published layout with no global layer at this depth", ["model.layout=gemma3"],
+     ["every 6th layer", "model.layers=4 has none", "model.layers >= 6"]),
+    ("layer type with a rope kind's list of the wrong length", ["model.layer_types=[long, full]",
+                                                               "model.types.long={scheme: rotary-longrope, "
+                                                               "scheme_params: {long_factor: [1, 2]}}"],
+     ["layer type 'long'", "long_factor has 2 entries", "give 16 numbers", "model.types.long.scheme_params.long_factor"]),
+])
+def test_layer_type_settings_are_one_line(case, over, needles):
+    raises(case, lambda: C.resolve(None, ["model.layers=4", "model.train_length=64", *over]), *needles)
+
+
+@pytest.mark.parametrize("case, spec, needles", [
+    ("--rope for a layer type the model lacks", "yarn:4@global", ["no layer type 'global'", "its types: sliding, full"]),
+    ("--rope longrope@TYPE without long factors", "longrope:8@full", ["needs the long factors"]),
+    ("--rope @TYPE on a model with one rope_parameters", "yarn:4@full", ["one rope_parameters for every layer",
+                                                                        "drop @full"]),
+    ("--rope @TYPE after a non-rewrite", "logn@full", ["names one layer type after a rope_parameters rewrite",
+                                                       "yarn:4@full"]),
+])
+def test_rope_per_layer_type_specs_are_one_line(case, spec, needles):
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    from extrapolab.hf.load import apply_rope
+
+    if "one rope_parameters" in case:
+        cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=48)
+    else:
+        cfg = Gemma3TextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                               max_position_embeddings=48)
+    raises(case, lambda: apply_rope(cfg, spec), *needles)
 
 
 def test_sweep_time_budget_with_workers_is_one_line():

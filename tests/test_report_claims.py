@@ -13,7 +13,8 @@ def _verdicts(means, claims, Ltr=64):
 
 def test_every_claim_is_well_formed():
     for c in CLAIMS:
-        assert c.test in TESTS and c.cite and c.claim and c.lengths in ("beyond", "longest")
+        assert c.test in TESTS and c.cite and c.claim and c.lengths in ("beyond", "longest", "train")
+        assert c.lengths != "train" or c.test in ("below", "at_or_below"), c  # a rise needs lengths beyond L_tr
         assert bool(c.reference) == (c.test in ("below", "at_or_below", "flatter")), c
 
 
@@ -71,3 +72,17 @@ def test_comparisons_need_the_reference_at_L_tr(test):
     means = {E1: {"rotary": {128: 100.0}, "xpos": {64: 90.0, 128: 90.0}}}
     (row,) = check_claims(means, 64, [Claim("xpos", test, "c", "x", "rotary")])
     assert row.verdict == "—"
+
+
+def test_claims_at_the_trained_length_and_on_the_first_token_mass():
+    """lengths="train" compares at L_tr only; protocol "first_token" reads the A6 mass (a sink's claim)."""
+    means = {E1: {"rotary": {64: 100.0, 1024: 150.0}, "gemma3": {64: 101.5, 1024: 200.0},
+                  "smollm3": {64: 103.0, 1024: 140.0}},
+             "first_token": {"rotary": {64: 0.30, 1024: 0.20}, "sinky": {64: 0.10, 1024: 0.05}}}
+    claims = [Claim("gemma3", "at_or_below", "c", "x", "rotary", lengths="train"),
+              Claim("smollm3", "at_or_below", "c", "x", "rotary", lengths="train"),
+              Claim("sinky", "below", "c", "x", "rotary", protocol="first_token")]
+    rows = check_claims(means, 64, claims)
+    assert [(r.label, r.verdict) for r in rows] == [("gemma3", "yes"), ("smollm3", "NO"), ("sinky", "yes")]
+    assert "64: 101.5 vs 100.0 (1/1 lengths)" in rows[0].detail  # 1.5% above: within the tie, at L_tr only
+    assert rows[2].detail.startswith("mass on token 0 vs rotary: 1024: 0.050 vs 0.200")

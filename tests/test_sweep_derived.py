@@ -20,7 +20,9 @@ TINY = {
     "train": {"steps": 4, "batch_size": 4, "lr": 0.003, "warmup_steps": 1, "eval_every": 4, "eval_batches": 1,
               "checkpoint_every": 4, "log_every": 2},
     "eval": {"protocols": ["nonoverlapping"], "lengths": [16, 32, 64], "num_tokens": 512, "batch_size": 4},
-    "sweep": {"schemes": ["none", "xpos", {"from": "xpos", "label": "xpos+bca", "eval": {"bca": True}},
+    "sweep": {"schemes": ["none", "xpos", {"from": "xpos", "label": "xpos+bca", "eval": {"bca": True}}, "rotary",
+                          {"from": "rotary", "label": "rotary-yarn(s=4)", "rope": {"scheme": "rotary-yarn",
+                                                                                   "params": {"factor": 4}}},
                           {"from": "none", "label": "nope-headscale(tuned)",
                            "head_scale": {"steps": 3, "segments": 1, "grid": [1.0, 1.5]}}],
               "seeds": [0], "datasets": ["stdlib"], "reference": "none", "cost_rounds": 1},
@@ -68,14 +70,42 @@ def test_head_scale_entry_tunes_its_source_and_records_what_it_measured(swept):
     # the head-scale step's "after" perplexity is the entry's recorded E1 (same windows), "before" NoPE's
     assert _e1(out, "nope-headscale(tuned)")[64] == pytest.approx(rec["ppl_after"]["length"], rel=1e-5)
     assert _e1(out, "none")[64] == pytest.approx(rec["ppl_before"]["length"], rel=1e-5)
-    assert list(bench["rows"]) == ["none", "xpos"]  # derived entries are timed as their sources
+    assert list(bench["rows"]) == ["none", "xpos", "rotary"]  # derived entries are timed as their sources
     curves = sqlite3.connect(out / "results.sqlite").execute(
         "SELECT DISTINCT r.label FROM series s JOIN runs r USING (run_id) WHERE s.protocol='train'").fetchall()
-    assert {c for (c,) in curves} == {"none", "xpos"}  # no training curves of their own
+    assert {c for (c,) in curves} == {"none", "xpos", "rotary"}  # no training curves of their own
     md = (out / "report.md").read_text()
     row = next(ln for ln in md.splitlines() if ln.startswith("| xpos+bca | xPos with blockwise causal attention"))
-    assert "not checked: no rotary values" in row and row.endswith("| — |")  # no rotary in this sweep
+    assert "rise over ppl at L_tr vs rotary" in row
     assert "| nope-headscale(tuned) | head-scale NoPE beats NoPE" in md
+
+
+def test_rope_entry_reads_its_source_weights_with_another_rope_kind(swept):
+    """rope: {scheme: rotary-yarn}: the rotary run's checkpoint, byte for byte, under the entry's scheme;
+    its E1 is the source model's forward with YaRN's frequencies, not the source's."""
+    import torch
+    from safetensors.torch import load_file
+
+    from extrapolab.eval import evaluate
+    from extrapolab.train import load_model
+
+    _, over, out = swept
+    src, run = out / "runs" / "stdlib--rotary--s0", out / "runs" / "stdlib--rotary-yarn_s_4_--s0"
+    model, cfg = load_model(run, which="best")
+    assert cfg.model.scheme == "rotary-yarn" and cfg.model.scheme_params == {"factor": 4}
+    a, b = load_file(str(src / "checkpoints/best/model.safetensors")), load_file(str(run / "checkpoints/best/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    yarn = _e1(out, "rotary-yarn(s=4)")
+    source, _ = load_model(src, which="best")
+    idx = torch.randint(0, 200, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # other frequencies and YaRN's attention factor: other logits from the same weights
+        assert (model(idx) - source(idx)).abs().max() > 1e-5  # (4 training steps: small logits)
+    from extrapolab.data import prepare
+
+    tokens = prepare(cfg.data, progress=False).split("test")
+    direct = evaluate(model, tokens, train_length=16, protocols=["nonoverlapping"], lengths=[64], num_tokens=512,
+                      batch_size=4)
+    assert direct["nonoverlapping"]["64"]["ppl"] == pytest.approx(yarn[64], rel=1e-5)
 
 
 def test_resume_skips_derived_entries_and_a_missing_source_is_skipped(swept, tmp_path):
@@ -96,6 +126,8 @@ def test_resume_skips_derived_entries_and_a_missing_source_is_skipped(swept, tmp
     (["none", {"name": "rotary", "from": "none", "label": "x"}], "name must be 'none'"),
     (["none", {"name": "none", "label": "none"}], "appears twice"),
     (["none", {"name": "none", "label": "y", "head": 1}], "must be a name or"),
+    (["alibi", {"from": "alibi", "label": "y", "rope": {"scheme": "rotary-yarn"}}], "re-reads a RoPE run"),
+    (["rotary", {"from": "rotary", "label": "y", "rope": {"scheme": "alibi"}}], "another registered rotary kind"),
 ])
 def test_bad_derived_entries_are_one_line(entries, needle):
     with pytest.raises(UserError, match=needle):
@@ -123,6 +155,21 @@ def test_modern_quick_preset_has_a_claim_for_every_new_scheme():
     assert set(base.eval.protocols) == {"nonoverlapping", "last_token"}
 
 
+def test_layouts_quick_preset_has_a_claim_for_every_layout_and_rope_kind():
+    base, spec = load_sweep("layouts-quick")  # builds every entry's model: each layout whole at 12 layers
+    keys = {c.scheme for c in CLAIMS}
+    labels = [s.label for s in spec.schemes]
+    assert labels[:4] == ["none", "rotary", "alibi", "hybrid"]
+    assert all(lb.split("(")[0] in keys for lb in labels[4:]) and len(labels) >= 11
+    from extrapolab.sweep.spec import entry_config
+    from extrapolab.model.gpt import build_scheme
+
+    kinds = {s.label: build_scheme(entry_config(base, s).model) for s in spec.schemes if s.model}
+    assert [kinds["gemma3"].type_of(i) for i in range(12)].count("full") == 2  # 5:1 whole at 12 layers
+    assert [kinds["irope"].type_of(i) for i in range(12)].count("full") == 3
+    assert max(base.eval.lengths) == 16 * base.model.train_length == base.eval.erf_length and base.eval.first_token
+
+
 SMOKE = ["model.layers=2", "model.dim=32", "model.heads=2", "model.train_length=32", "data.tokenizer=bytes",
          "data.max_bytes=400000", "train.steps=6", "train.batch_size=4", "train.warmup_steps=2", "train.eval_every=6",
          "train.checkpoint_every=6", "train.log_every=3", "eval.lengths=[32,64,128]", "eval.num_tokens=1024",
@@ -146,3 +193,26 @@ def test_modern_quick_end_to_end_at_smoke_scale(tmp_path):
                   "nope-headscale(tuned)", "fire", "dape-alibi", "dape-kerple", "dape-fire", "stick-breaking"):
         row = next(ln for ln in pic.splitlines() if ln.startswith(f"| {label} |"))
         assert row.rsplit("|", 2)[1].strip() in ("yes", "partly", "NO"), row
+
+
+@pytest.mark.slow
+def test_layouts_quick_end_to_end_at_smoke_scale(tmp_path):
+    """layouts-quick with tiny --set overrides (12 layers kept, so every layout is whole; ~1.5 min on 2 cores):
+    every entry recorded, a verdict per claim, the A6 rows, table and figure."""
+    over = [f"data.cache_dir={tmp_path}", *[o for o in SMOKE if not o.startswith(("model.layers", "model.train_length",
+                                                                                   "eval.lengths", "eval.erf"))],
+            "model.train_length=64", "eval.lengths=[64,128]", "eval.erf_length=128"]
+    res = run_sweep("layouts-quick", out=tmp_path / "out", overrides=over, progress=False)
+    db = ResultsDB(res["out"] / "results.sqlite")
+    labels = [r["label"] for r in db.runs()]
+    masses = db.series("first_token", "mass")
+    db.close()
+    _, spec = load_sweep("layouts-quick")
+    assert sorted(labels) == sorted(s.label for s in spec.schemes)
+    assert {(row[2], row[4]) for row in masses} >= {("gemma3", 64), ("gemma3", 128)} and all(len(r[5]) == 12 for r in masses)
+    md = (res["out"] / "report.md").read_text()
+    pic = md.split("## Does it show the papers' picture? — stdlib")[1].split("\n## ")[0]
+    for s in spec.schemes[4:]:
+        row = next(ln for ln in pic.splitlines() if ln.startswith(f"| {s.label} |"))
+        assert row.rsplit("|", 2)[1].strip() in ("yes", "partly", "NO"), row
+    assert "## A6 attention on the first token per layer" in md and (res["out"] / "figures/first_token_stdlib.png").is_file()

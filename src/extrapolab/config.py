@@ -105,6 +105,8 @@ class EvalConfig:
     erf_length: int = 0  # sweeps: A1 ERF of predicting this token after evaluation (0 = off)
     erf_segments: int = 4  # segments averaged for that ERF
     trf_eps: float = 0.01  # sweeps: A2 TRF threshold on the trained scheme
+    #: sweeps: A6 attention mass on the first token per layer at L_tr and at erf_length (with erf_length > 0)
+    first_token: bool = False
     bca: bool = False  # E1-E4 with blockwise causal attention (xPos §3.3, eval/bca.py), any scheme
     bca_block: int = 0  # its block size; 0 = L_tr / 2 (the paper's)
     #: positions at evaluation: "train" (as train.positions: random runs are scored at random positions,
@@ -161,6 +163,10 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             value = yaml.safe_load(value)
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        inner = typ.__args__[1] if len(getattr(typ, "__args__", ())) == 2 else None
+        if inner is not None and dataclasses.is_dataclass(inner):  # e.g. model.types: {name: LayerType}
+            return {str(k): v if isinstance(v, inner) else _coerce(v or {}, inner, f"{where}.{k}")
+                    for k, v in value.items()}
         return dict(value)
     if getattr(typ, "__args__", None) and type(None) in typ.__args__:  # Optional[X]
         if value is None or value == "null":

@@ -144,19 +144,27 @@ def _analyze_all(run_dir, out_dir, place, which, tokens, erf_length, segments, e
 
 
 def sweep_analysis(model, cfg, stream, *, length: int, segments: int = 4, eps: float = 0.01,
-                   block_size: int = 256) -> dict:
+                   block_size: int = 256, first_token: bool = False) -> dict:
     """The light per-run analysis a sweep records next to its perplexities (``eval.erf_length``).
 
     A1: the cumulative gradient c [L] and ERF of predicting token ``length`` (Sandwich §5.1),
     averaged over ``segments`` segments of ``stream``; learned APE is measured at L_tr (it has no
     embedding beyond). A2 on the *trained* scheme: per-head convergence of sum exp(bias) and TRF
-    n_the(eps) (Qin eq. 22). Returns {"erf": {...}, "theory": {...}}.
+    n_the(eps) (Qin eq. 22). With ``first_token``, A6: the attention mass on the first token per layer
+    (analysis/first_token.py) at L_tr and at ``length``, on the same segments. Returns {"erf": {...},
+    "theory": {...}, "first_token": [{...}, {...}]}.
     """
     L = default_erf_length(cfg, len(stream), length)
     segs = segments_from_stream(stream, L, segments)  # [N, L]
     e = measure_erf(model, segs, opts=AttnOptions(impl="blocked", block_size=block_size))
     out = {"erf": {"length": L, "c": [float(x) for x in e["c"]], "erf_tokens": e["erf_tokens"],
                    "segments": e["segments"], "seconds": e["seconds"], "peak_memory_mb": e["peak_memory_mb"]}}
+    if first_token:
+        from .first_token import first_token_mass
+
+        L_tr = int(cfg.model.train_length)
+        out["first_token"] = [first_token_mass(model, segs[:, :n], block=block_size)
+                              for n in sorted({min(L_tr, L), L})]
     scheme = model.scheme
     if scheme.has_bias:
         try:

@@ -23,7 +23,9 @@ truncate), ``llama3`` (Llama 3.1: low/high frequency factors, 1 and 4 by default
 (LongRoPE / Phi-3: short and long factor lists), ``proportional`` (p-RoPE / Gemma 4: only the
 fraction P of frequency pairs rotates), and ``ntk`` = static NTK-aware scaling (bloc97 2023: base
 x s^(d/(d-2))), which HF has no rope type for, so it is applied as a new ``rope_theta`` of HF's
-default RoPE. The kinds' ``key=value`` fields and their checks: :mod:`.rope_kinds`.
+default RoPE. The kinds' ``key=value`` fields and their checks: :mod:`.rope_kinds`. On a model with layer
+types (``layer_types``, ``rope_parameters`` nested per type: Gemma 3) a rewrite applies to every RoPE type, or
+with ``@TYPE`` to that type only (``--rope yarn:4@full``: the global layers of Gemma 3); :mod:`.layer_types`.
 
 The extensions HF has no rope type for run in transformers' attention-function registry
 (:mod:`.extend`): ``selfextend:G,w`` (Self-Extend, Jin et al. 2024; w defaults to L_tr/4),
@@ -50,7 +52,7 @@ import torch
 
 from ..io import UserError
 from ..positional.rotary_dca import default_chunk
-from . import extend, rope_kinds
+from . import extend, layer_types, rope_kinds
 
 PREFIX = "hf:"
 #: model_type -> how it encodes positions (families the tests build; see module doc for others)
@@ -60,7 +62,7 @@ POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt"
              "bloom": "alibi", "mpt": "alibi"}
 ROPE_KINDS = rope_kinds.KINDS
 ROPE_SYNTAX = (f"{rope_kinds.SYNTAX}, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], "
-               "streaming[:K[,W]], logn[:L_tr], joined by +")
+               "streaming[:K[,W]], logn[:L_tr], joined by +; KIND:ARGS@TYPE rewrites one layer type's")
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
 
 
@@ -82,9 +84,10 @@ class HFModel:
 
 
 def rope_tag(text: str) -> str:
-    """``--rope`` text as a file-name part: ``yarn:4`` -> ``yarn4``, ``rerope:512+logn`` -> ``rerope512-logn``;
+    """``--rope`` text as a file-name part: ``yarn:4`` -> ``yarn4``, ``rerope:512+logn`` -> ``rerope512-logn``,
+    ``yarn:4@full`` -> ``yarn4-full``;
     a text with lists or a file: its kind and a hash of the text, so the name stays short."""
-    tag = str(text).replace(":", "").replace(",", "_").replace("+", "-")
+    tag = str(text).replace(":", "").replace(",", "_").replace("+", "-").replace("@", "-")
     if not re.fullmatch(r"[\w.=-]{0,64}", tag):
         tag = f"{str(text).partition(':')[0]}-{hashlib.sha256(str(text).encode()).hexdigest()[:10]}"
     return tag
@@ -155,6 +158,7 @@ class RopeSpec:
     text: str
     rewrite: tuple[str, float | None] | None = None  # (kind, factor; proportional: the fraction p)
     rewrite_params: dict = field(default_factory=dict)  # its key=value fields, as rope_parameters keys
+    layer_type: str | None = None  # KIND:ARGS@TYPE: the rewrite of that layer type's rope_parameters only
     method: str | None = None  # selfextend | rerope | rerope-leaky | dca | streaming
     params: dict = field(default_factory=dict)  # G, w, k, chunk as given (an absent one: the default)
     logn: int | None = None  # None off, 0 = the model's L_tr, else the L_tr to use
@@ -179,12 +183,17 @@ def _numbers(kind: str, args: str, n: int, text: str) -> list[float]:
 def parse_rope(spec: str) -> RopeSpec:
     """``--rope`` text -> :class:`RopeSpec`, or a one-line UserError with the syntax."""
     text = str(spec).strip()
-    out: dict = {"rewrite": None, "rewrite_params": {}, "method": None, "params": {}, "logn": None}
+    out: dict = {"rewrite": None, "rewrite_params": {}, "method": None, "params": {}, "logn": None, "layer_type": None}
     for part in rope_kinds.split_top(text, "+"):
+        part, *at = rope_kinds.split_top(part.strip(), "@")
         kind, _, args = part.strip().partition(":")
+        if at and (kind not in ROPE_KINDS or len(at) > 1 or not at[0].strip()):
+            raise UserError(f"--rope KIND:ARGS@TYPE names one layer type after a rope_parameters rewrite, e.g. "
+                            f"yarn:4@full; got {text!r}")
         if kind in ROPE_KINDS:
             if out["rewrite"]:
                 raise UserError(f"--rope takes one KIND:FACTOR with FACTOR >= 1, e.g. --rope yarn:4; got {text!r}")
+            out["layer_type"] = at[0].strip() if at else None
             factor, fields = rope_kinds.parse_rewrite(kind, args, text)
             if kind not in ("longrope", "proportional"):  # the others need FACTOR >= 1 (checked again on apply)
                 rope_kinds.check_factor(kind, factor, text, "yarn:4")
@@ -222,15 +231,30 @@ def apply_rope(config, spec: str | RopeSpec, original: int | None = None) -> dic
     ``original``: the pre-training length YaRN / llama3 scale from (default: the config's)."""
     spec = spec if isinstance(spec, RopeSpec) else parse_rope(spec)
     rp = getattr(config, "rope_parameters", None)
-    if position_kind(config) != "rope" or not isinstance(rp, dict) or "rope_theta" not in rp:
-        raise UserError(f"--rope applies to RoPE models, but this {config.model_type} model has no flat "
+    nested = layer_types.nested_types(config)
+    if position_kind(config) != "rope" or not isinstance(rp, dict) or ("rope_theta" not in rp and not nested):
+        raise UserError(f"--rope applies to RoPE models, but this {config.model_type} model has no "
                         "rope_parameters; drop --rope")
     if spec.rewrite is None:
         return None
     kind, number = spec.rewrite
     orig = int(original) if original else config_train_length(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    new = rope_kinds.rope_parameters(kind, number, spec.rewrite_params, rp, head_dim, orig, spec.text)
+    rewrite = lambda old: rope_kinds.rope_parameters(kind, number, spec.rewrite_params, old, head_dim, orig,  # noqa: E731
+                                                     spec.text)
+    if nested or spec.layer_type:  # per layer type (hf/layer_types.py): that type's, or every RoPE type's
+        which = [layer_types.resolve(config, spec.layer_type, spec.text)] if spec.layer_type else \
+            [k for k in nested if rp[k] is not None]
+        new = dict(rp)
+        for key in which:
+            if rp[key] is None:
+                raise UserError(f"--rope {spec.text}: layer type {key} has no RoPE (a NoPE layer); drop @TYPE or name "
+                                f"a RoPE type: {', '.join(layer_types.short(k) for k in nested if rp[k] is not None)}")
+            new[key] = rewrite(rp[key])
+            if "truncate" in new[key]:  # transformers' YaRN reads it at the top level only (module doc)
+                new["truncate"] = new[key]["truncate"]
+    else:
+        new = rewrite(rp)
     config.rope_parameters = new
     try:
         if hasattr(config, "validate_rope"):
@@ -329,7 +353,8 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
         logn = None if spec.logn is None else (spec.logn or L_tr)
         extension = extend.install(model, spec.method, params, logn, L_tr)
     max_len = config_train_length(config) if kind == "learned" else None
-    info = {"rope_parameters": rope_params, "rope_extension": extension, "dtype": str(torch_dtype).replace("torch.", ""),
+    info = {"rope_parameters": rope_params, "rope_extension": extension, "layer_types": layer_types.summary(config),
+            "dtype": str(torch_dtype).replace("torch.", ""),
             "device": str(device), "parameters": sum(p.numel() for p in model.parameters())}
     if gguf is not None:
         info["gguf"] = gguf

@@ -30,7 +30,9 @@ class KVCache:
     [B, H, Lc] then holds the cached keys' positions, and ``last_content`` continues them. Attention may
     update ``content[layer]`` in place between calls (selective attention keeps each key's accumulated
     selection there): with a window the ring first copies the view it returned onto its other half.
-    Keys may be wider than values (PoPE's 2·d-wide keys).
+    Keys may be wider than values (PoPE's 2·d-wide keys). A layer whose queries see only the newest keys (a
+    sliding or chunked layer type) passes ``keep`` and stores a ring of keep + 1 tokens of its own, whatever
+    ``window`` is (not with ``sinks``: StreamingLLM's cache keeps its sinks and window for every layer).
     """
 
     def __init__(self, layers: int, window: int | None = None, sinks: int | None = None) -> None:
@@ -47,14 +49,15 @@ class KVCache:
         self._buf: list[tuple | None] = [None] * layers  # (kbuf, vbuf, pbuf, cbuf | None) storage
         self._count = [0] * layers  # tokens written so far
 
-    def update(self, layer: int, scheme, q, k, v, pos, content=None):
+    def update(self, layer: int, scheme, q, k, v, pos, content=None, keep: int | None = None):
         """Add this call's q, k, v [B, H, L, D] at positions ``pos`` [L]; returns what attention takes,
         ``(q, k, v, q_pos, k_pos, rotated)``. Without sinks: q and k rotated at their absolute positions,
         the cached keys (rotated when written) and their positions. With sinks (module doc): q and the
-        keys unrotated, at their positions in the cache (``rotated`` False: attention rotates them)."""
+        keys unrotated, at their positions in the cache (``rotated`` False: attention rotates them).
+        ``keep``: see :meth:`extend` (without sinks only)."""
         if self.sinks is None:
             q, k = scheme.rotate(q, k, pos, pos)  # cache rotated keys at their absolute positions
-            k, v, kpos = self.extend(layer, k, v, pos, content)
+            k, v, kpos = self.extend(layer, k, v, pos, content, keep)
             return q, k, v, pos, kpos, True
         if content is not None or scheme.kind == "absolute":
             raise ValueError(f"attention sinks re-place cached keys by position; scheme {scheme.name!r} takes "
@@ -87,9 +90,9 @@ class KVCache:
         c = self.content[layer]
         return None if c is None or c.shape[-1] == 0 else c[..., -1]
 
-    def _storage(self, layer, k, pos, need, content=None, v=None):
-        """The layer's (k, v, pos, content) buffers with room for ``need`` slots (allocated / grown here);
-        v's head size may differ from k's (PoPE caches 2·d-wide keys)."""
+    def _storage(self, layer, k, pos, need, content=None, v=None, ring=False):
+        """The layer's (k, v, pos, content) buffers with room for ``need`` slots (allocated / grown here; a
+        ``ring`` exactly ``need``); v's head size may differ from k's (PoPE caches 2·d-wide keys)."""
         buf, n = self._buf[layer], self._count[layer]
         Dv = k.shape[3] if v is None else v.shape[3]
         if buf is not None and (buf[0].shape[:2] != k.shape[:2] or buf[0].shape[3] != k.shape[3]
@@ -100,7 +103,7 @@ class KVCache:
         if buf is not None and buf[0].shape[2] >= need:
             return buf
         B, H, _, D = k.shape
-        cap = need if self.window is not None else max(need, 256, 2 * (buf[0].shape[2] if buf else 0))
+        cap = need if ring else max(need, 256, 2 * (buf[0].shape[2] if buf else 0))
         cb = None if content is None else content.new_empty(B, H, cap)  # [B, H, cap]
         new = (k.new_empty(B, H, cap, D), k.new_empty(B, H, cap, Dv), pos.new_empty(cap), cb)  # [B,H,cap,D|Dv]
         if buf is not None:  # grow by doubling, keeping what is stored
@@ -110,21 +113,31 @@ class KVCache:
         self._buf[layer] = new
         return new
 
-    def extend(self, layer, k, v, pos, content=None):
+    def extend(self, layer, k, v, pos, content=None, keep: int | None = None):
         """Append k, v [B, H, L, D] at positions pos [L] (and ``content`` [B, H, L], positions from
         content); return the keys attention sees now, (k, v, pos); ``self.content[layer]`` then holds
         their positions from content. With a window the result is the newest ``window`` of
         (cached + new) tokens, in time order.
+
+        ``keep``: no later query of this layer sees more than its newest ``keep`` keys (a sliding layer's
+        window - 1, a chunked layer's chunk - 1; model/chunked.py ``cache_keep``). The layer then stores at
+        most keep + 1 tokens (the same ring), and the result is every new token with the newest ``keep``
+        cached ones before it, which is all its queries can see; ``window`` applies where it is smaller.
         """
-        L, n, w = k.shape[2], self._count[layer], self.window
+        L, n = k.shape[2], self._count[layer]
+        w = self.window if keep is None or (self.window is not None and self.window <= keep + 1) else int(keep) + 1
+        own = w is not None and w != self.window  # the layer's own bound: queries see keep old + all new
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad or (content is not None and content.requires_grad)):
-            return self._extend_functional(layer, k, v, pos, content)  # keep autograd's saved tensors intact
+            return self._extend_functional(layer, k, v, pos, content, w if own else None)  # autograd's tensors intact
         if self._buf[layer] is None and self.k[layer] is not None:  # seed from a functional extend
             k0, v0, p0 = self.k[layer].detach(), self.v[layer].detach(), self.pos[layer]
             c0 = None if self.content[layer] is None else self.content[layer].detach()
             self.k[layer] = self.v[layer] = self.pos[layer] = self.content[layer] = None
-            self.extend(layer, k0, v0, p0, c0)
+            self.extend(layer, k0, v0, p0, c0, keep)
             n = self._count[layer]
+        before = None
+        if own and L > 1:  # the newest w - 1 cached tokens and all new ones (a copy: the ring is rewritten below)
+            before = self._before(layer, k, v, pos, content, w - 1)
         if w is None:
             kb, vb, pb, cb = self._storage(layer, k, pos, n + L, content, v)
             kb[:, :, n:n + L], vb[:, :, n:n + L], pb[n:n + L] = k, v, pos
@@ -132,7 +145,7 @@ class KVCache:
                 cb[..., n:n + L] = content
             size, start = n + L, 0
         else:
-            kb, vb, pb, cb = self._storage(layer, k, pos, 2 * w, content, v)
+            kb, vb, pb, cb = self._storage(layer, k, pos, 2 * w, content, v, ring=True)
             keep = min(L, w)  # only the newest w incoming tokens can survive
             B, H, _, D = kb.shape
             if cb is not None and 0 < n:  # content may have changed in place (selective attention's state):
@@ -156,9 +169,28 @@ class KVCache:
         out = kb[:, :, start:start + size], vb[:, :, start:start + size], pb[start:start + size]
         self.k[layer], self.v[layer], self.pos[layer] = out
         self.content[layer] = None if content is None else cb[..., start:start + size]
+        if before is not None:
+            if content is not None:
+                self.content[layer] = before[3]
+            return before[:3]
         return out
 
-    def _extend_functional(self, layer, k, v, pos, content=None):
+    def _before(self, layer, k, v, pos, content, old: int):
+        """(k, v, pos, content) of the newest ``old`` cached tokens followed by the new ones (cat: copies)."""
+        have = 0 if self.k[layer] is None else min(old, self.k[layer].shape[2])
+        if have == 0:
+            return k, v, pos, content
+        ck = None if content is None else torch.cat([self.content[layer][..., -have:], content], dim=-1)
+        return (torch.cat([self.k[layer][:, :, -have:], k], dim=2), torch.cat([self.v[layer][:, :, -have:], v], dim=2),
+                torch.cat([self.pos[layer][-have:], pos]), ck)  # [B, H, have + L, D], ..., [have + L]
+
+    def _extend_functional(self, layer, k, v, pos, content=None, own: int | None = None):
+        if own is not None:  # the layer's own bound: see keep old + all new, store the newest w = keep + 1
+            k, v, pos, content = self._before(layer, k, v, pos, content, own - 1)
+            self._buf[layer], self._count[layer] = None, 0
+            self.k[layer], self.v[layer], self.pos[layer] = k[:, :, -own:], v[:, :, -own:], pos[-own:]
+            self.content[layer] = None if content is None else content[..., -own:]
+            return k, v, pos
         if self.k[layer] is not None:
             k = torch.cat([self.k[layer], k], dim=2)  # [B, H, Lc+L, D]
             v = torch.cat([self.v[layer], v], dim=2)

@@ -3,9 +3,12 @@
 Positions are explicit inputs; the model has no maximum length except learned APE, whose
 ``check_length`` refuses longer inputs with a one-line error. One scheme instance is shared by
 every layer (T5/KERPLE parameters are per head, shared across layers, as in HF T5 and the
-official KERPLE code). A relative bias is computed once per forward as an O(H·L) distance table
-(:class:`~.tables.DistanceBias`) shared by every layer; other biases as one [H, L, L] tensor when
-it fits the memory budget. Attention itself is :func:`~.attention.attend` (docs/attention.md).
+official KERPLE code); with layer types (``layer_types``, ``types``, ``layout``) it is a
+:class:`~..positional.layout.Layout`, one scheme per type, and each block attends with its type's
+(``for_layer``; a chunked type chunk by chunk, :mod:`.chunked`). A relative bias is computed once per
+forward as an O(H·L) distance table (:class:`~.tables.DistanceBias`) shared by every layer; other biases
+as one [H, L, L] tensor when it fits the memory budget. Attention itself is :func:`~.attention.attend`
+(docs/attention.md).
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ from torch import nn
 
 from .. import positional
 from ..positional.base import PositionalScheme
-from .attention import AttnOptions, attend
+from ..positional.layout import LayerType
+from .attention import AttnOptions
 from .attn_extras import AttnExtras
 from .cache import KVCache  # (also importable from here, as before the split)
+from .chunked import attend_layer, cache_keep
 from .tables import DistanceBias, is_toeplitz
 
 
@@ -59,6 +64,14 @@ class ModelConfig:
     qk_norm: bool = False
     #: output gate (Qiu et al. 2025): the attention output times σ(x W) per head and dimension
     gate: bool = False
+    #: layer types (docs/attention.md, "Layer types"): one type name per layer, or a pattern repeated
+    #: over the layers (its length dividing ``layers``); [] = ``scheme`` in every layer
+    layer_types: list[str] = field(default_factory=list)
+    #: each type's scheme, options and window or chunk: {name: LayerType}; "full" needs no entry (``scheme``)
+    types: dict[str, LayerType] = field(default_factory=dict)
+    #: a published layout at these sizes (positional/layouts.py: gemma3, rnope-swa, irope, smollm3);
+    #: ``layer_types`` / ``types`` given as well replace its own
+    layout: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,20 +86,46 @@ def model_fields(cfg: ModelConfig) -> dict:
 def build_scheme(cfg: ModelConfig) -> PositionalScheme:
     if cfg.arch == "regulargpt":  # its attention is eq. 6.1 itself (C, K from the model config)
         return positional.build("sliding-dilated", num_heads=cfg.heads, C=cfg.C, K=cfg.K)
-    params = dict(cfg.scheme_params or {})
-    if cfg.scheme == "learned":
+    if cfg.layer_types or cfg.types or cfg.layout:
+        return build_layout(cfg)
+    params = scheme_defaults(cfg, cfg.scheme, dict(cfg.scheme_params or {}))
+    return positional.build(cfg.scheme, num_heads=cfg.heads, **params)
+
+
+def scheme_defaults(cfg: ModelConfig, name: str, params: dict) -> dict:
+    """``params`` of scheme ``name`` with the model's sizes and L_tr where it takes them and they are unset."""
+    if name == "learned":
         params.setdefault("max_length", cfg.train_length)
         params.setdefault("dim", cfg.dim)
         params.setdefault("std", cfg.init_std if cfg.embed_scale else cfg.dim ** -0.5)  # as the tokens
-    accepted = positional.scheme_params(positional.REGISTRY.get(cfg.scheme, PositionalScheme))
+    accepted = positional.scheme_params(positional.REGISTRY.get(name, PositionalScheme))
     if "original_length" in accepted:
         params.setdefault("original_length", cfg.train_length)  # RoPE extensions: L_tr is the trained length
     for key, value in model_fields(cfg).items():  # schemes with per-layer parameters (FoX, CoPE, hybrids)
         if key in accepted:
             params.setdefault(key, value)
-    if cfg.scheme == "sinusoidal":  # same rms as the token embeddings and a learned APE at init
+    if name == "sinusoidal":  # same rms as the token embeddings and a learned APE at init
         params.setdefault("scale", math.sqrt(2) * cfg.init_std if cfg.embed_scale else 1.0)
-    return positional.build(cfg.scheme, num_heads=cfg.heads, **params)
+    return params
+
+
+def build_layout(cfg: ModelConfig) -> PositionalScheme:
+    """The :class:`~..positional.layout.Layout` of ``model.layout`` / ``layer_types`` / ``types``: a
+    published layout's types, updated field by field by the config's own (a scheme given replaces the
+    layout's scheme and its options), over ``model.scheme`` for a type naming none."""
+    from ..positional.layout import Layout, as_layer_type, expand_types
+    from ..positional.layouts import published
+
+    kinds, types = published(cfg.layout, cfg.layers, cfg.train_length) if cfg.layout else ([], {})
+    for name, spec in (cfg.types or {}).items():  # the fields set here replace the layout's own
+        spec, base = as_layer_type(spec, f"model.types.{name}"), types.get(name)
+        types[name] = spec if base is None else LayerType(
+            spec.scheme or base.scheme, {**(base.scheme_params if not spec.scheme else {}), **spec.scheme_params},
+            spec.window or base.window, spec.chunk or base.chunk)
+    kinds = expand_types(cfg.layer_types, cfg.layers) if cfg.layer_types else kinds or ["full"] * cfg.layers
+    sizes = {**model_fields(cfg), "original_length": cfg.train_length}
+    return Layout(cfg.heads, kinds, types, default=(cfg.scheme, dict(cfg.scheme_params or {})), sizes=sizes,
+                  context=cfg.train_length)
 
 
 class Block(nn.Module):
@@ -118,12 +157,13 @@ class Block(nn.Module):
         if scheme.has_content:
             p = scheme.content_positions(h, self.index, None if cache is None else cache.last_content(self.index))
         if cache is None:
-            out, probs = attend(q, k, v, pos, pos, scheme, self.index, opts, bias,
-                                content=None if p is None else (p, p), **ex)
-        else:  # the cache says where its keys sit and whether it rotated them (sink tokens: not yet)
-            q, k, v, qpos, kpos, rotated = cache.update(self.index, scheme, q, k, v, pos, p)
-            out, probs = attend(q, k, v, qpos, kpos, scheme, self.index, opts, bias, rotate=not rotated,
-                                content=None if p is None else (p, cache.content[self.index]), **ex)
+            out, probs = attend_layer(q, k, v, pos, pos, scheme, self.index, opts, bias,
+                                      content=None if p is None else (p, p), **ex)
+        else:  # the cache says where its keys sit and whether it rotated them (sink tokens: not yet); a
+            # sliding or chunked layer keeps only the keys it can see again (cache_keep)
+            q, k, v, qpos, kpos, rotated = cache.update(self.index, scheme, q, k, v, pos, p, keep=cache_keep(scheme))
+            out, probs = attend_layer(q, k, v, qpos, kpos, scheme, self.index, opts, bias, rotate=not rotated,
+                                      content=None if p is None else (p, cache.content[self.index]), **ex)
         y = self.proj(self.extras.gated(out.transpose(1, 2).reshape(B, L, C), h))  # [B, L, C]; gate: model.gate
         x = x + self.drop(y)
         x = x + self.drop(self.mlp(self.ln2(x)))

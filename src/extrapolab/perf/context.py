@@ -22,8 +22,9 @@ class Spec:
     """One benched scheme: a row label, the registered name and its options; ``positions`` > 0 trains at
     sorted random positions from [0, positions) drawn each step (Ruoss et al. 2023; train rows only); ``impl``
     the attention implementation its calls ask for (AttnOptions.impl: "auto", or e.g. "sdpa" to time another
-    path of the same scheme beside it, written ``name@impl``); ``model``: attention options of the row
-    (ModelConfig fields, e.g. ``{"sinks": True}``: docs/attention.md, "Model options")."""
+    path of the same scheme beside it, written ``name@impl``); ``model``: other ModelConfig fields of the row:
+    attention options (e.g. ``{"sinks": True}``: docs/attention.md, "Model options") or layer types (a sweep
+    entry's ``{layout: gemma3}``: positional/layout.py)."""
     label: str
     name: str
     params: dict = field(default_factory=dict)

@@ -34,6 +34,7 @@ from . import sliding_dilated  # noqa: F401
 from . import custom  # noqa: F401
 from . import fox  # noqa: F401  positions from content: the Forgetting Transformer's gate
 from . import headscale  # noqa: F401  NoPE with a learned temperature per head
+from . import llama4_temperature  # noqa: F401  NoPE with Llama 4's per-query temperature (iRoPE's global layers)
 from . import hybrid  # noqa: F401  a scheme per layer: RoPE/NoPE hybrids
 from . import cope  # noqa: F401  score-level hook: contextual positions
 from . import fire  # noqa: F401  learned functional bias, progressive interpolation

@@ -23,6 +23,7 @@ from .db import ResultsDB
 from .html import img_tag, md_table_to_html, page
 from .analysis_section import erf_table, plot_erf_overlay
 from .curves import curves_section
+from .first_token import first_token_curves, first_token_means, first_token_table, plot_first_token
 from .picture import claims_markdown
 from .plots import plot_ppl_vs_length, plot_positionwise
 
@@ -144,6 +145,8 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
     for t in tables:
         means[t["dataset"]][t["protocol"]] = {lb: {L: m["mean"] for L, m in byL.items() if m["mean"] is not None}
                                               for lb, byL in t["means"].items()}
+    for ds, per in first_token_means(db).items():  # A6 claims (sinks) read the mass on token 0 like a protocol
+        means[ds]["first_token"] = per
     pictured = set()
     for t in tables:
         stem = f"ppl_{t['protocol']}_{t['dataset']}"
@@ -187,6 +190,18 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
                            "the shaded band). TRF is computed from the trained bias formula; a divergent "
                            "Σexp(bias) has no TRF.</p>"))
         md_parts.append(f"## {title}\n\n{et}" + (f"\n![]({erf_png.relative_to(out)})\n" if erf_png else ""))
+    ft = first_token_curves(db)
+    if ft:
+        table = first_token_table(ft, meta.get("schemes") or [], Ltr)
+        atomic_write_text(out / "first_token.md", table)
+        pngs = plot_first_token(ft, meta.get("schemes") or [], figs / "first_token")
+        title = "A6 attention on the first token per layer (StreamingLLM's attention sink, Xiao et al. 2024 §3.1)"
+        caption = ("Mean attention weight on token 0 over heads, queries m >= 1, segments and seeds; a sliding or chunked "
+                   "layer gives 0 where token 0 is outside its window or chunk. Uniform attention would give ~ln(L)/L.")
+        sections.append((title, md_table_to_html(table) + "".join(img_tag(p, p.stem) for p in pngs)
+                         + f"<p>{html.escape(caption)}</p>"))
+        md_parts.append(f"## {title}\n\n{table}\n" + "".join(f"![]({p.relative_to(out)})\n" for p in pngs)
+                        + f"\n{caption}\n")
     analysis_pngs = sorted((out / "analysis").glob("*.png")) + sorted(out.glob("runs/*/analysis/*.png"))
     if analysis_pngs:  # written by `extrapolab analyze ... --out DIR/analysis` or `analyze all RUN`
         body = "".join(f"<h3>{html.escape(str(p.relative_to(out)))}</h3>{img_tag(p, p.stem)}" for p in analysis_pngs)

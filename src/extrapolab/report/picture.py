@@ -4,8 +4,10 @@ checked by one function (:func:`check_claims`) on the mean perplexities a sweep 
 A claim names the scheme it is about and, for a comparison, the scheme it is compared with (both as
 the label key: a label's text before "(", so ``t5(max_distance=32)`` is ``t5``; give a variant its own
 label, as modern-quick's ``rotary+random`` and ``xpos+bca``), the protocol (E1 ``nonoverlapping``, E3
-``last_token``), the lengths (``beyond``: every L_ex > L_tr; ``longest``: the longest L_ex only) and the
-test, on the mean perplexity per L_ex over seeds:
+``last_token``, or A6 ``first_token``: the mean attention weight on token 0 over layers, where a sweep
+records it), the lengths (``beyond``: every L_ex > L_tr; ``longest``: the longest L_ex only; ``train``:
+L_tr itself, for a claim about the trained length) and the test, on the mean value per L_ex over seeds
+(perplexity, or the A6 mass):
 
 * ``fails``: ppl at the longest L_ex > (1 + FAIL) x ppl at L_tr, or no value (cannot run);
 * ``flat``: every selected L_ex within ±FLAT of ppl at L_tr;
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 FAIL, FLAT, TIE = 0.10, 0.05, 0.02
 TESTS = ("fails", "flat", "improves", "below", "at_or_below", "flatter")
-E1, E3 = "nonoverlapping", "last_token"
+E1, E3, A6 = "nonoverlapping", "last_token", "first_token"
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class Claim:
     cite: str  # paper, section / figure / table
     reference: str = ""  # label key of the scheme compared with ("" = the scheme itself at L_tr)
     protocol: str = E1
-    lengths: str = "beyond"  # beyond | longest
+    lengths: str = "beyond"  # beyond | longest | train
     setting: str = ""  # where the paper measured it
 
 
@@ -47,6 +49,13 @@ COPE, COPE_SETTING = ("Golovneva et al. 2024 (CoPE), arXiv 2405.18719, abstract:
                       "language and code modeling", "")
 DAPE, DAPE_SETTING = ("Zheng et al. 2024 (DAPE), arXiv 2405.14722, abstract",
                       "Arxiv, Books3, CHE; trained at 128, better than static encodings at 8192")
+GEMMA3 = "Gemma Team 2025, Gemma 3 Technical Report, arXiv 2503.19786"
+GATE, GATE_SETTING = ("Qiu et al. 2025 (Gated Attention), arXiv 2505.06708, abstract",
+                      "1.7B dense and 15B MoE models, 3.5T tokens")
+RNOPE, RNOPE_SETTING = ("Yang et al. 2025 (Rope to Nope and Back Again), arXiv 2501.18795",
+                        "8B-size models, long-context tasks (NIAH, RULER), not perplexity")
+SMOL, SMOL_SETTING = ("Hugging Face 2025, SmolLM3 blog (NoPE every 4th layer: 'improves long context performance "
+                      "without affecting short context')", "3B model, ablations at 1B-3B; long context after extension")
 #: the papers' claims; a scheme added to the zoo adds its claims here, one entry each
 CLAIMS: tuple[Claim, ...] = (
     Claim("sinusoidal", "fails", "fails beyond L_tr", f"{ALIBI} §2, Fig. 1", setting="WikiText-103, L_tr 512/1024"),
@@ -83,6 +92,49 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("dape-alibi", "below", "DAPE beats its base beyond L_tr", DAPE, "alibi", setting=DAPE_SETTING),
     Claim("dape-kerple", "below", "DAPE beats its base beyond L_tr", DAPE, "kerple-log", setting=DAPE_SETTING),
     Claim("dape-fire", "below", "DAPE beats its base beyond L_tr", DAPE, "fire", setting=DAPE_SETTING),
+    # layer types (positional/layouts.py) and the RoPE kinds read over a RoPE run (layouts-quick)
+    Claim("gemma3", "at_or_below", "5 sliding layers per global one cost (almost) no perplexity at the trained length",
+          f"{GEMMA3}, §5 ablations (local:global ratio, sliding window size)", "rotary", lengths="train",
+          setting="the report's ablation models, window 1,024"),
+    Claim("rnope-swa", "at_or_below", "RoPE with a sliding window and NoPE global layers at or below RoPE beyond L_tr",
+          f"{RNOPE}, abstract and §5", "rotary", setting=RNOPE_SETTING),
+    Claim("irope", "flatter", "NoPE global layers with a position temperature generalize beyond L_tr better than RoPE",
+          "Meta 2025, The Llama 4 herd (iRoPE: 'to enhance length generalization')", "rotary",
+          setting="Llama 4 Scout, 256k pre-training context"),
+    Claim("smollm3", "at_or_below", "NoPE every 4th layer leaves short-context perplexity unchanged", SMOL, "rotary",
+          lengths="train", setting=SMOL_SETTING),
+    Claim("smollm3", "below", "NoPE every 4th layer improves long-context modelling", SMOL, "rotary",
+          setting=SMOL_SETTING),
+    Claim("rotary-proportional", "at_or_below", "p-RoPE (the lowest frequencies removed) at or below RoPE",
+          "Barbero et al. 2025 (Round and Round We Go!), arXiv 2410.06205, abstract and Table 2", "rotary",
+          lengths="train", setting="Gemma models trained with p-RoPE, not a length-extrapolation claim"),
+    Claim("rotary-yarn", "below", "YaRN over a RoPE model beats plain RoPE beyond L_tr without fine-tuning",
+          "Peng et al. 2023 (YaRN), arXiv 2309.00071, §3 (dynamic scaling without fine-tuning)", "rotary",
+          setting="Llama 2 7B/13B; the paper's training-free result is dynamic scaling, here static s = 16"),
+    Claim("rotary-llama3", "below", "Llama 3.1's scaling extends RoPE beyond L_tr", "Meta 2024, The Llama 3 Herd of "
+          "Models, arXiv 2407.21783 (llama3 rope scaling)", "rotary",
+          setting="with continued pre-training from 8k to 128k; here training-free"),
+    Claim("rotary-longrope", "below", "LongRoPE's rescaling extends RoPE beyond L_tr without fine-tuning (8x)",
+          "Ding et al. 2024 (LongRoPE), arXiv 2402.13753, abstract", "rotary",
+          setting="searched non-uniform factors; here uniform long factors = s, so PI with LongRoPE's attention factor"),
+    # the attention options and schemes of issue 33 §2 (layouts-quick): A6 is the attention on token 0
+    Claim("rotary+sinks", "below", "a learned sink logit per head takes the attention the first token absorbs",
+          "OpenAI 2025, gpt-oss model card (learned sink per head); Xiao et al. 2024 (StreamingLLM), arXiv 2309.17453, "
+          "§3.3 (a dedicated learnable sink)", "rotary", protocol=A6, setting="gpt-oss 20B/120B; StreamingLLM 160M "
+          "models pre-trained with a sink token"),
+    Claim("rotary+ssmax", "flatter", "SSMax keeps attention from flattening beyond the training length",
+          "Nakanishi 2025 (Scalable-Softmax), arXiv 2501.19399, abstract", "rotary",
+          setting="the paper's pre-trained models (scale not read here: the claim is from the abstract)"),
+    Claim("rotary+gate", "below", "the output gate mitigates the attention sink", GATE, "rotary", protocol=A6,
+          setting=GATE_SETTING),
+    Claim("rotary+gate", "flatter", "the output gate enhances long-context extrapolation", GATE, "rotary",
+          setting=GATE_SETTING),
+    Claim("pope", "flatter", "PoPE extrapolates zero-shot where RoPE degrades",
+          "Gopalakrishnan et al. 2025 (PoPE), arXiv 2509.10534, abstract", "rotary",
+          setting="the paper's sequence models (scale not read here: the claim is from the abstract)"),
+    Claim("selective", "at_or_below", "selective attention improves language-modelling perplexity",
+          "Leviathan et al. 2025 (Selective Attention), arXiv 2410.02703, abstract", "rotary", lengths="train",
+          setting="C4 language modelling (sizes not read here: the claim is from the abstract)"),
 )
 
 
@@ -130,8 +182,8 @@ def _compare(c: Claim, mine: dict, ref: dict, Ltr: int, lengths: list[int]) -> t
         else:
             limit = ref[L] * (1 + TIE) if c.test == "at_or_below" else ref[L]
             holds += mine[L] <= limit if c.test == "at_or_below" else mine[L] < limit
-            parts.append(f"{L}: {mine[L]:.1f} vs {ref[L]:.1f}")
-    what = "rise over ppl at L_tr" if c.test == "flatter" else "ppl"
+            parts.append(f"{L}: {mine[L]:.3f} vs {ref[L]:.3f}" if c.protocol == A6 else f"{L}: {mine[L]:.1f} vs {ref[L]:.1f}")
+    what = "rise over ppl at L_tr" if c.test == "flatter" else "mass on token 0" if c.protocol == A6 else "ppl"
     return holds, f"{what} vs {c.reference}: " + ", ".join(parts)
 
 
@@ -157,8 +209,11 @@ def check_claims(means: dict[str, dict[str, dict[int, float]]], train_length: in
             lengths = sorted(L for L in longer if L in ref)
             if c.lengths == "longest":
                 lengths = lengths[-1:]
+            if c.lengths == "train":
+                lengths = [Ltr] if Ltr in ref else []
             if Ltr not in ref or not lengths:
-                out.append(Check(label, c, "—", f"not checked: no {c.reference} values beyond L_tr in this run"))
+                where = "at L_tr" if c.lengths == "train" else "beyond L_tr"
+                out.append(Check(label, c, "—", f"not checked: no {c.reference} values {where} in this run"))
                 continue
             holds, detail = _compare(c, mine, ref, Ltr, lengths)
             verdict = "yes" if holds == len(lengths) else "partly" if holds else "NO"
@@ -171,7 +226,7 @@ def picture_checks(means: dict[str, dict[int, float]], train_length: int) -> lis
     return [(c.label, c.ok, c.detail) for c in check_claims({E1: means}, train_length)]
 
 
-PROTOCOL_NAMES = {E1: "E1", E3: "E3"}
+PROTOCOL_NAMES = {E1: "E1", E3: "E3", A6: "A6"}
 
 
 def claims_markdown(means: dict[str, dict[str, dict[int, float]]], train_length: int, seeds: int = 1,

@@ -19,13 +19,16 @@ from ..model.gpt import ModelConfig
 from ..perf.bench import as_specs, run_bench
 from ..train.placement import run_placement
 
+#: an entry's model fields the bench builds its model with: its layer types (a layout is timed as itself)
+LAYER_FIELDS = ("layout", "layer_types", "types")
 WARMUP = 1  # rounds (sweep.cost_rounds, 7 by default) are one step per scheme each: seconds at demo size
 
 
 def attention_options(model: dict) -> dict:
-    """The attention options (model.sinks, ssmax, qk_norm, gate) among a sweep entry's model overrides: the
-    bench times each entry with them."""
-    return {k: v for k, v in (model or {}).items() if k in ("sinks", "ssmax", "qk_norm", "gate") and v}
+    """The attention options (model.sinks, ssmax, qk_norm, gate) and layer types (model.layout, layer_types,
+    types) among a sweep entry's model overrides: the bench times each entry with them (a layout as itself)."""
+    keys = ("sinks", "ssmax", "qk_norm", "gate", *LAYER_FIELDS)
+    return {k: v for k, v in (model or {}).items() if k in keys and v}
 
 
 def bench_settings(base: C.RunConfig, vocab_size: int, schemes, rounds: int) -> dict:

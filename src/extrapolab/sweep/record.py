@@ -35,12 +35,15 @@ def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data, model_dir: Path | No
         t = time.time()
         with place.autocast():
             an = sweep_analysis(model, cfg, tokens, length=cfg.eval.erf_length, segments=cfg.eval.erf_segments,
-                                eps=cfg.eval.trf_eps)
+                                eps=cfg.eval.trf_eps, first_token=cfg.eval.first_token)
         atomic_write_json(Path(run_dir) / "analysis.json", an)
         extra["analysis_wall_s"] = time.time() - t
         e = an["erf"]
         scalars.append(("erf", e["length"], "erf_tokens", float(e["erf_tokens"])))
         series.append(("erf", e["length"], "c", e["c"]))
+        for ft in an.get("first_token") or []:  # A6: per layer, and its mean over layers
+            series.append(("first_token", ft["length"], "mass", ft["per_layer"]))
+            scalars.append(("first_token", ft["length"], "mass", float(sum(ft["per_layer"]) / len(ft["per_layer"]))))
         th = an.get("theory")
         if th and "error" not in th:
             scalars.append(("trf", 0, "converging_heads", float(th["converging_heads"])))

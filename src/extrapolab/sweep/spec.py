@@ -16,8 +16,10 @@ from pathlib import Path
 from .. import config as C
 from ..io import UserError
 
-#: the steps a derived entry may apply to its source run, and the scheme the result has (None: the source's)
-STEPS = {"head_scale": "nope-headscale"}
+#: the steps a derived entry may apply to its source run, and the scheme the result has (None: the step's
+#: own ``scheme``: ``rope: {scheme: rotary-yarn, params: {factor: 16}}`` re-reads a RoPE run's weights with
+#: another RoPE kind, training-free, as the kinds extend a trained model)
+STEPS = {"head_scale": "nope-headscale", "rope": None}
 
 
 @dataclass
@@ -71,7 +73,7 @@ def parse_entry(s, earlier: dict[str, SchemeSpec]) -> SchemeSpec:
         return SchemeSpec(s)
     if not isinstance(s, dict) or not ("name" in s or "from" in s) or set(s) - set(ENTRY_KEYS):
         raise UserError(f"sweep scheme entry {s!r} must be a name or {{name: ..., params: {{...}}, model: {{...}}, "
-                        "train: {...}, eval: {...}}, or {from: LABEL, label: ..., eval: {...}, head_scale: {...}}")
+                        "train: {...}, eval: {...}}, or {from: LABEL, label: ..., eval: {...}, head_scale: {...} | rope: {...}}")
     steps = {k: dict(s[k] or {}) for k in STEPS if k in s}
     src = str(s.get("from") or "")
     name = s.get("name")
@@ -84,18 +86,36 @@ def parse_entry(s, earlier: dict[str, SchemeSpec]) -> SchemeSpec:
             raise UserError(f"sweep scheme entry {s!r}: a from: entry needs its own label, at most one step "
                             f"({', '.join(STEPS)}) and no params/model/train of its own (they are its source's)")
         want = STEPS[next(iter(steps))] if steps else parent.name
+        params = dict(parent.params)
+        if "rope" in steps:
+            want, params = rope_step(steps["rope"], parent, s)
         if "head_scale" in steps and parent.name != "none":
             raise UserError(f"sweep scheme entry {s['label']!r}: head_scale needs a NoPE source (name: none), "
                             f"got {parent.name!r}")
         if name not in (None, want):
             raise UserError(f"sweep scheme entry {s['label']!r}: name must be {want!r} (its model's scheme) or left out")
-        return SchemeSpec(want, dict(parent.params), str(s["label"]), dict(parent.model), dict(parent.train),
+        return SchemeSpec(want, params, str(s["label"]), dict(parent.model), dict(parent.train),
                           dict(s.get("eval") or {}), src, steps)
     spec = SchemeSpec(name, dict(s.get("params") or {}), s.get("label", ""), dict(s.get("model") or {}),
                       dict(s.get("train") or {}), dict(s.get("eval") or {}))
     if "seed" in spec.train:
         raise UserError(f"sweep scheme entry {name!r} sets train.seed; the seeds come from sweep.seeds")
     return spec
+
+
+def rope_step(step: dict, parent: SchemeSpec, entry) -> tuple[str, dict]:
+    """(scheme, params) of a ``rope:`` step: a RoPE kind read over a RoPE run's weights (no parameters of
+    its own, so the source's checkpoint loads into it as it is)."""
+    from ..positional import REGISTRY
+
+    name, params = step.get("scheme"), dict(step.get("params") or {})
+    cls, src = REGISTRY.get(str(name)), REGISTRY.get(parent.name)
+    if cls is None or cls.kind != "rotary" or src is None or src.kind != "rotary" or parent.model.get("layout") \
+            or set(step) - {"scheme", "params"}:
+        raise UserError(f"sweep scheme entry {entry!r}: rope: {{scheme: KIND, params: {{...}}}} re-reads a RoPE run "
+                        f"with another registered rotary kind (e.g. rotary-yarn); source {parent.label!r} is "
+                        f"{parent.name!r}")
+    return str(name), params
 
 
 @dataclass

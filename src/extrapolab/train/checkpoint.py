@@ -35,7 +35,8 @@ from ..model.regular_lm import build_model
 
 WEIGHTS, STATE, CONFIG, MANIFEST = "model.safetensors", "state.pt", "config.yaml", "manifest.json"
 # vocab_size is not here: it comes from the data, not the config (train() checks it separately)
-ARCH_FIELDS = ("layers", "heads", "dim", "mlp_ratio", "scheme", "scheme_params", "train_length", "tie_weights")
+ARCH_FIELDS = ("layers", "heads", "dim", "mlp_ratio", "scheme", "scheme_params", "train_length", "tie_weights",
+               "layer_types", "types", "layout")
 
 
 @dataclass
