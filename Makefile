@@ -48,7 +48,7 @@ bench: setup
 	$(BIN)/extrapolab bench
 
 # On a CUDA machine with torch >= 2.11 (no setup, no network): every GPU test, the bench's GPU rows, a demo
-# slice and a one-process torchrun, <= 8 minutes on one H100; writes reports/gpu-check/ and docs/results/gpu-*.md.
+# slice and a one-process torchrun, ~15 minutes on a bare H100 machine (cold compiles; --stages splits it); writes reports/gpu-check/ and docs/results/gpu-*.md.
 gpu-check:
 	bash scripts/gpu-check.sh reports/gpu-check
 
