@@ -140,6 +140,13 @@ def test_holds_long_lengths_passkey_and_erf_follow_the_rules(smoke):
                   key=lambda m: np.mean(list(r["holds"]["1024"][m]["ratio"].values())))[:2]
     assert {m for m in pk if "1024" in pk[m]} == set(four)
     assert all(len(recs) == 2 for byL in pk.values() for recs in byL.values())  # 2 depths x n = 1
+    # RULER's needle rides in the passkey's cells of methods without a softmax temperature, where its haystack fits
+    # (the tiny tokenizer needs 681 tokens for the smallest noise haystack: here no such cell is tau-free, so
+    # none may run; test_niah_cells_score_rulers_needle_teacher_forced runs one)
+    niah = r["tasks"].get("niah", {})
+    for L in {L for byL in niah.values() for L in byL}:
+        tau_free = {m for m in pk if L in pk[m] and setting(m, int(L), L_CTX, r["align_tau"]).tau == 1.0}
+        assert {m for m in niah if L in niah[m]} == tau_free and int(L) >= 681
     assert list(r["erf"]) == ["rope", *ok[:1]] and all(e["checkpointed"] for e in r["erf"].values())
     assert all(len(e["c"]) == 513 and 0 < e["erf_tokens"] <= 512 for e in r["erf"].values())
 
@@ -293,3 +300,26 @@ def test_bad_presets_and_models(tmp_path):
     assert r.exit_code == 2 and "hf:PATH" in r.output
     r = CliRunner().invoke(app, ["align", "rope", "--preset", "extend-quick"])
     assert r.exit_code == 2 and "hf:PATH" in r.output
+
+
+def test_niah_cells_score_rulers_needle_teacher_forced(smoke):
+    """extend's NIAH cell (extend.cells.niah_records) on the tiny model at 768 tokens: RULER's sample, one
+    teacher-forced forward, 'retrieved' = every answer token the argmax; too short a length is one line."""
+    from extrapolab.extend.cells import niah_records
+    from extrapolab.hf import load_hf, open_hf
+    from extrapolab.tasks.ruler.fit import TooShort
+
+    tmp, folder, *_ = smoke
+    model, tok = open_hf(f"hf:{folder}"), load_hf(f"hf:{folder}").tokenizer
+    recs = niah_records(model, "niah_single_1", 768, tok, 2, False, tmp / "cache")
+    assert len(recs) == 2 and all(r["length"] == 768 and r["retrieved"] == bool(r["tf_exact"]) for r in recs)
+    assert all(r["tf_mean_logprob"] < 0 and 0 <= r["depth"] <= 100 for r in recs)
+    assert recs[0]["depth"] != recs[1]["depth"] or recs[0]["index"] != recs[1]["index"]
+    from extrapolab.extend.tables import niah_table
+
+    results = {**smoke[3]["results"], "tasks": {"niah": {"rope": {"768": [{**r, "same_as": None} for r in recs]}}}}
+    md, csv_text = niah_table(results)
+    k = sum(r["retrieved"] for r in recs)
+    assert f"| {k}/2 [" in md and "nats/token" in md and len(csv_text.strip().splitlines()) == 3
+    with pytest.raises(TooShort, match="too short for RULER task niah_single_1"):
+        niah_records(model, "niah_single_1", 512, tok, 1, False, tmp / "cache")

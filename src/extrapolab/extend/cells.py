@@ -183,6 +183,18 @@ def score_cell(model, tokens, ends: np.ndarray, L: int, tau, tail: int | None = 
             "win_e3_nll": [float(v) for v in win_e3]}
 
 
+def niah_records(model, task: str, length: int, tokenizer, n: int, chat: bool, cache_dir) -> list[dict]:
+    """``n`` samples of RULER's needle task ``task`` at ``length`` tokens (tasks/ruler: RULER's prompt and answer
+    prefix, inside the chat template where ``chat``), scored teacher-forced: ``tf_exact`` (every answer token the
+    argmax after the answer prefix), ``tf_mean_logprob``; the sample's ``depth``. One forward each."""
+    from ..tasks.ruler import ruler_samples, score_samples
+
+    mode = "auto" if chat else "off"
+    samples = ruler_samples(task, length, tokenizer, n, chat=mode, cache_dir=cache_dir)
+    recs = score_samples(model, samples, tokenizer, chat=mode, greedy=False, teacher=True)
+    return [{**r, "length": int(length), "retrieved": bool(r.get("tf_exact"))} for r in recs]
+
+
 def passkey_records(model, examples, tau) -> list[dict]:
     """Records of teacher-forced passkey examples (module doc), one forward each: ``retrieved`` (the
     value's tokens, after the separator), ``correct`` (the whole answer = greedy exact match),

@@ -58,7 +58,11 @@ def write_extend_report(out: Path, results: dict) -> Path:
         t_md, t_csv = task_table(results, task)
         atomic_write_text(out / f"{task}.md", t_md)
         atomic_write_text(out / f"{task}.csv", t_csv)
-        pk = plot_passkey(results, figs / task) if task == "passkey" else None
+        if task == "niah":
+            add("RULER needle retrieval", t_md, [], "<p>CSV: <code>niah.csv</code> (each sample: its depth, the answer "
+                "exact, the mean log-probability and fraction of its tokens right, teacher-forced)</p>")
+            continue
+        pk = plot_passkey(results, figs / task)
         add("Passkey retrieval", t_md, [pk] if pk else [], "<p>CSV: <code>passkey.csv</code> (each trial: the value "
             "retrieved, the whole answer right, the separator first, the value's NLL, the teacher-forced argmax, the "
             "fraction of answer tokens right)</p>")

@@ -38,6 +38,10 @@ class ExtendSpec:
     passkey_depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     passkey_n: int = 1
     passkey_chat: bool = True  # the tokenizer's chat template around the prompt, where it has one
+    #: a RULER needle task (tasks/ruler: RULER's format, its answer prefix) scored teacher-forced beside the passkey,
+    #: in the same cells (methods without a softmax temperature); "" = none
+    niah_task: str = "niah_single_2"
+    niah_n: int = 2  # samples per cell (sample i: RULER's draw with seed 42 + i, its depth from RULER's depth list)
     erf_factor: float = 1.0
     erf_methods: list[str] = field(default_factory=lambda: ["rope", "rerope"])
     erf_segments: int = 1
@@ -62,10 +66,16 @@ def load_extend_preset(name_or_path: str, overrides: list[str] | None = None) ->
     if any(float(f) not in factors for f in spec.passkey_factors):
         raise UserError(f"extend.passkey_factors {spec.passkey_factors} must be among the full and long factors "
                         f"{sorted(factors)} (a passkey cell runs where the methods were measured)")
-    if min(spec.windows, spec.long_windows, spec.align_windows) < 1 or spec.passkey_n < 0 or \
+    if spec.niah_task:
+        from ..tasks.ruler import TASKS as RULER_TASKS
+
+        if spec.niah_task not in RULER_TASKS or not spec.niah_task.startswith("niah"):
+            raise UserError(f"extend.niah_task {spec.niah_task!r} is not one of RULER's needle tasks "
+                            f"({', '.join(t for t in RULER_TASKS if t.startswith('niah'))}); or \"\" for none")
+    if min(spec.windows, spec.long_windows, spec.align_windows) < 1 or spec.passkey_n < 0 or spec.niah_n < 0 or \
             spec.passkey_methods < 0 or spec.erf_segments < 0 or not spec.hold_ratio > 0 or \
             any(not 0 <= d <= 1 for d in spec.passkey_depths):
-        raise UserError("extend.windows, long_windows and align_windows >= 1; passkey_n, passkey_methods and "
+        raise UserError("extend.windows, long_windows and align_windows >= 1; passkey_n, niah_n, passkey_methods and "
                         "erf_segments >= 0; hold_ratio > 0; passkey_depths in [0, 1]")
     if spec.erf_segments > spec.windows or spec.align_windows > spec.windows:
         raise UserError(f"extend.erf_segments and extend.align_windows read the first corpus's windows: at most "

@@ -45,7 +45,7 @@ import torch
 from .. import config as C
 from ..io import UserError, atomic_write_json
 from ..report.stages import Stages, sayer
-from .cells import ALIGNED, Models, erf_record, passkey_records, score_cell, setting, spaced, window_ends
+from .cells import ALIGNED, Models, erf_record, niah_records, passkey_records, score_cell, setting, spaced, window_ends
 from .plan import Plan
 from .spec import host, load_extend_preset, model_key
 
@@ -58,6 +58,8 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
     from ..hf.data import HFCodec, chat_wrap
     from ..hf.evaluate import model_block
     from ..tasks.retrieval import make_examples
+    from ..tasks.ruler import ruler_samples
+    from ..tasks.ruler.fit import TooShort
     from .report import write_extend_report
 
     t0 = time.time()
@@ -125,7 +127,16 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
                     models.get(st0.rope), tokens[c], e, L, st0.tau, L_ctx))
                 plan.record(L, c, group, st0, res)
 
-    def passkey(f):  # the passkey cells at factor f (module doc, step 4)
+    def fits(L):  # RULER's needle task fits L tokens (its smallest haystack); said once when it does not
+        try:
+            ruler_samples(spec.niah_task, L, tok, spec.niah_n, chat="auto" if chat else "off",
+                          cache_dir=cfg.data.cache_dir)
+            return True
+        except TooShort as err:
+            say(f"{spec.niah_task} skipped at L={L}: {err}")
+            return False
+
+    def passkey(f):  # the passkey (and RULER needle) cells at factor f (module doc, step 4)
         L = plan.length(f)
         measured = [m for m in spec.methods if plan.cells.get(m, {}).get(str(L))]
         chosen = measured if f == 1 or not spec.passkey_methods else \
@@ -142,6 +153,14 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
                 plan.record_task("passkey", Lp, group, stages.run(
                     f"cells/passkey-{Lp}-{plan.short(st0.key())}", st,
                     lambda st0=st0, ex=ex: passkey_records(models.get(st0.rope), ex, st0.tau)))
+                if spec.niah_task and spec.niah_n and st0.tau == 1.0 and fits(Lp):  # RULER's reader: no temperature
+                    st = {"L": Lp, "rope": st0.rope, "task": spec.niah_task, "n": spec.niah_n,
+                          "chat": chat is not None, "scoring": "teacher-forced"}
+                    say(f"{spec.niah_task} L={Lp}: {', '.join(group)} ({spec.niah_n} samples)")
+                    plan.record_task("niah", Lp, group, stages.run(
+                        f"cells/niah-{Lp}-{plan.short(st0.key())}", st,
+                        lambda st0=st0, Lp=Lp: niah_records(models.get(st0.rope), spec.niah_task, Lp, tok,
+                                                            spec.niah_n, chat is not None, cfg.data.cache_dir)))
 
     for f in spec.full_factors:
         e_cells(plan.length(f), spec.methods, spec.corpora)

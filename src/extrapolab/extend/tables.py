@@ -18,7 +18,8 @@ from .plan import FAILS, HOLDS, UNRESOLVED, Plan, log_interval
 
 #: task -> (its name in the tables, the record field that counts as a success): the study's table has
 #: one column per task and factor, in this order
-TASKS = {"passkey": ("passkey retrieved", "retrieved")}
+TASKS = {"passkey": ("passkey retrieved", "retrieved"),
+         "niah": ("RULER needle, teacher-forced exact", "retrieved")}
 VERDICT = {HOLDS: "yes", FAILS: "no", UNRESOLVED: "unresolved"}
 
 
@@ -212,6 +213,8 @@ def comparison_table(results: dict) -> tuple[str, str]:
 def task_table(results: dict, task: str) -> tuple[str, str]:
     """The task's successes per method and length, k/n with a 95% Clopper-Pearson interval; for
     passkey the whole answer (greedy exact match) beside the value retrieved."""
+    if task == "niah":
+        return niah_table(results)
     Ls, s = task_lengths(results, task), results["spec"]
     lines = [f"Passkey retrieved: the key's digits read out of the haystack (teacher-forced exact match of the "
              "value's tokens after the answer prefix and its separator), k/n with a 95% Clopper-Pearson interval; "
@@ -238,6 +241,36 @@ def task_table(results: dict, task: str) -> tuple[str, str]:
         lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
     header = ["method", "length", "depth", "retrieved", "correct", "lead_ok", "value_nll", "token_acc", "pred",
               "answer", "same_as"]
+    return "\n".join(lines) + "\n", _csv(header, rows)
+
+
+def niah_table(results: dict) -> tuple[str, str]:
+    """RULER's needle task per method and length: teacher-forced exact match of the answer after RULER's answer
+    prefix, k/n with a 95% Clopper-Pearson interval, and the mean log-probability per answer token."""
+    Ls, s = task_lengths(results, "niah"), results["spec"]
+    lines = [f"RULER needle ({s['niah_task']}, RULER's prompt and answer prefix, tasks/ruler; the haystack its "
+             "task names: noise sentences, or essays from the python3-doc substitute): the answer's tokens teacher-forced after the answer prefix, exact match k/n "
+             f"with a 95% Clopper-Pearson interval and the mean log-probability per answer token; n = {s['niah_n']} "
+             f"per cell; chat template: {'yes' if results['chat'] else 'no'}; methods with a softmax temperature "
+             "are not run (RULER's reader takes none)", "",
+             "| method | " + " | ".join(_x(results, L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
+    rows = []
+    for m, byL in results["tasks"].get("niah", {}).items():
+        cells = []
+        for L in Ls:
+            recs = byL.get(L)
+            if not recs:
+                cells.append("—")
+                continue
+            k, n = count(recs, "retrieved")
+            ci = sps.binomtest(k, n).proportion_ci(method="exact")
+            lp = sum(r.get("tf_mean_logprob", 0.0) for r in recs) / n
+            same = f" (= {label(recs[0]['same_as'])})" if recs[0].get("same_as") else ""
+            cells.append(f"{k}/{n} [{100 * ci.low:.0f}-{100 * ci.high:.0f}%], {lp:.2f} nats/token{same}")
+            rows += [[m, L, r.get("depth"), r.get("retrieved"), r.get("tf_mean_logprob"), r.get("tf_token_acc"),
+                      r.get("same_as") or ""] for r in recs]
+        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
+    header = ["method", "length", "depth", "retrieved", "tf_mean_logprob", "tf_token_acc", "same_as"]
     return "\n".join(lines) + "\n", _csv(header, rows)
 
 

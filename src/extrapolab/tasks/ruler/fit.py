@@ -59,6 +59,10 @@ def binary_search(make: Callable[[int], Draft], fits: Callable[[Draft], bool], l
     return best
 
 
+class TooShort(UserError):
+    """The length cannot hold the task's smallest haystack (with its tokens to generate)."""
+
+
 def draw_fitting(make, tokens, size: int, step: int, max_len: int, task: Task, unit: str) -> tuple[Draft, int, int]:
     """RULER's final loop: draw at ``size``; while too long, shrink by ``step`` (down to ``step``)
     and draw again. Returns (draft, its token count incl. tokens_to_generate, the size used)."""
@@ -77,7 +81,7 @@ def draw_fitting(make, tokens, size: int, step: int, max_len: int, task: Task, u
         smallest = n if smallest is None else min(smallest, n)
         tries += 1
         if tries >= MIN_RETRIES:
-            raise UserError(f"length {max_len} is too short for RULER task {task.name}: its smallest haystack "
+            raise TooShort(f"length {max_len} is too short for RULER task {task.name}: its smallest haystack "
                             f"({size} {unit}) takes {smallest} tokens ({task.tokens_to_generate} of them to generate); "
                             f"use lengths >= {smallest}")
 
