@@ -89,7 +89,24 @@ def _check_inner(inner: PositionalScheme, what: str) -> None:
                           f"{what}, or a scheme such as rotary, none or alibi")
 
 
-class SlidingWindow(RelativeBias):
+class _Inner:
+    """What a window or chunk leaves to the scheme it restricts (``self.inner``): rotation, temperature,
+    length checks and parameter constraints."""
+
+    def rotate(self, q, k, q_pos, k_pos):
+        return self.inner.rotate(q, k, q_pos, k_pos)
+
+    def temperature(self, q_pos, layer=0):
+        return self.inner.temperature(q_pos, layer)
+
+    def check_length(self, length: int) -> None:
+        self.inner.check_length(length)
+
+    def constrain_(self) -> None:
+        self.inner.constrain_()
+
+
+class SlidingWindow(_Inner, RelativeBias):
     """``inner``'s rotation (and bias) with a hard window: -inf at distance >= w (Sandwich paper §3.3),
     as one relative scheme, so the Toeplitz / flex paths run it (docs/attention.md)."""
 
@@ -111,18 +128,6 @@ class SlidingWindow(RelativeBias):
         """Cached keys a later query of this layer can still see."""
         return self.window - 1
 
-    def rotate(self, q, k, q_pos, k_pos):
-        return self.inner.rotate(q, k, q_pos, k_pos)
-
-    def temperature(self, q_pos, layer=0):
-        return self.inner.temperature(q_pos, layer)
-
-    def check_length(self, length: int) -> None:
-        self.inner.check_length(length)
-
-    def constrain_(self) -> None:
-        self.inner.constrain_()
-
     def bias_from_distance(self, dist, layer=0):
         if self.inner.has_bias:
             b = self.inner.bias_from_distance(dist, layer)  # [H, ...]
@@ -134,7 +139,7 @@ class SlidingWindow(RelativeBias):
         return {"window": self.window, **self.inner.options()}
 
 
-class Chunked(PositionalScheme):
+class Chunked(_Inner, PositionalScheme):
     """``inner`` with chunked attention: a query at m sees the keys n <= m with floor(n / c) = floor(m / c)
     (Llama 4; transformers' ``chunked_overlay``). ``bias`` is that mask (plus ``inner``'s bias), which the
     reference path and the analyses read; GPT's blocks attend chunk by chunk instead (model/chunked.py)."""
@@ -155,18 +160,6 @@ class Chunked(PositionalScheme):
     @property
     def cache_keep(self) -> int:
         return self.chunk - 1
-
-    def rotate(self, q, k, q_pos, k_pos):
-        return self.inner.rotate(q, k, q_pos, k_pos)
-
-    def temperature(self, q_pos, layer=0):
-        return self.inner.temperature(q_pos, layer)
-
-    def check_length(self, length: int) -> None:
-        self.inner.check_length(length)
-
-    def constrain_(self) -> None:
-        self.inner.constrain_()
 
     def bias(self, q_pos, k_pos, layer=0, dtype=torch.float32):
         dist = causal_distance(q_pos, k_pos)  # [Lq, Lk]
