@@ -57,7 +57,10 @@ QUICK = dict(lengths_train=(128, 512), long_lengths=(4096,), gen_window=64, long
                       Spec("rotary+ssmax", "rotary", model={"ssmax": True}),
                       Spec("rotary+qk-norm", "rotary", model={"qk_norm": True}),
                       Spec("rotary+gate", "rotary", model={"gate": True}),
-                      "pope", "selective"))
+                      "pope", "selective",
+                      # layer types at these 4 layers (3:1; Gemma 3's 5:1 needs 6k layers: layouts-quick's cost pass)
+                      Spec("rnope-swa", "rotary", model={"layout": "rnope-swa"}),
+                      Spec("irope", "rotary", model={"layout": "irope"})))
 
 
 def preset_settings(name: str) -> dict:
