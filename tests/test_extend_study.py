@@ -315,10 +315,10 @@ def test_niah_cells_score_rulers_needle_teacher_forced(smoke):
     assert len(recs) == 2 and all(r["length"] == 768 and r["retrieved"] == bool(r["tf_exact"]) for r in recs)
     assert all(r["tf_mean_logprob"] < 0 and 0 <= r["depth"] <= 100 for r in recs)
     assert recs[0]["depth"] != recs[1]["depth"] or recs[0]["index"] != recs[1]["index"]
-    from extrapolab.extend.tables import niah_table
+    from extrapolab.extend.tables import task_table
 
     results = {**smoke[3]["results"], "tasks": {"niah": {"rope": {"768": [{**r, "same_as": None} for r in recs]}}}}
-    md, csv_text = niah_table(results)
+    md, csv_text = task_table(results, "niah")
     k = sum(r["retrieved"] for r in recs)
     assert f"| {k}/2 [" in md and "nats/token" in md and len(csv_text.strip().splitlines()) == 3
     with pytest.raises(TooShort, match="too short for RULER task niah_single_1"):

@@ -210,18 +210,12 @@ def comparison_table(results: dict) -> tuple[str, str]:
     return "\n".join(lines) + "\n", _csv(header, rows)
 
 
-def task_table(results: dict, task: str) -> tuple[str, str]:
-    """The task's successes per method and length, k/n with a 95% Clopper-Pearson interval; for
-    passkey the whole answer (greedy exact match) beside the value retrieved."""
-    if task == "niah":
-        return niah_table(results)
-    Ls, s = task_lengths(results, task), results["spec"]
-    lines = [f"Passkey retrieved: the key's digits read out of the haystack (teacher-forced exact match of the "
-             "value's tokens after the answer prefix and its separator), k/n with a 95% Clopper-Pearson interval; "
-             "'whole' is the whole answer as greedy decoding gives it (separator first). "
-             f"{len(s['passkey_depths'])} depths {s['passkey_depths']} x n = {s['passkey_n']} per length; chat "
-             f"template: {'yes' if results['chat'] else 'no'}; plain RoPE in context is the baseline", "",
-             "| method | " + " | ".join(_x(results, L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
+def _task_grid(results: dict, task: str, intro: str, extra, header: list[str], row) -> tuple[str, str]:
+    """A task's table: per method and length k/n successes with a 95% Clopper-Pearson interval, then
+    ``extra(recs, n)`` (the task's own summary); the CSV one row per record: method, length, ``row(record)``
+    (named by ``header``), same_as."""
+    Ls = task_lengths(results, task)
+    lines = [intro, "", "| method | " + " | ".join(_x(results, L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
     rows = []
     for m, byL in results["tasks"].get(task, {}).items():
         cells = []
@@ -232,46 +226,37 @@ def task_table(results: dict, task: str) -> tuple[str, str]:
                 continue
             k, n = count(recs, TASKS[task][1])
             ci = sps.binomtest(k, n).proportion_ci(method="exact")
-            whole = count(recs, "correct")[0]
             same = f" (= {label(recs[0]['same_as'])})" if recs[0].get("same_as") else ""
-            cells.append(f"{k}/{n} [{100 * ci.low:.0f}-{100 * ci.high:.0f}%], whole {whole}/{n}{same}")
-            rows += [[m, L, r["depth"], r.get("retrieved"), r["correct"], r.get("lead_ok"), r.get("value_nll"),
-                      r.get("token_acc"), " ".join(map(str, r["pred"])), " ".join(map(str, r["answer"])),
-                      r.get("same_as") or ""] for r in recs]
+            cells.append(f"{k}/{n} [{100 * ci.low:.0f}-{100 * ci.high:.0f}%], {extra(recs, n)}{same}")
+            rows += [[m, L, *row(r), r.get("same_as") or ""] for r in recs]
         lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
-    header = ["method", "length", "depth", "retrieved", "correct", "lead_ok", "value_nll", "token_acc", "pred",
-              "answer", "same_as"]
-    return "\n".join(lines) + "\n", _csv(header, rows)
+    return "\n".join(lines) + "\n", _csv(["method", "length", *header, "same_as"], rows)
 
 
-def niah_table(results: dict) -> tuple[str, str]:
-    """RULER's needle task per method and length: teacher-forced exact match of the answer after RULER's answer
-    prefix, k/n with a 95% Clopper-Pearson interval, and the mean log-probability per answer token."""
-    Ls, s = task_lengths(results, "niah"), results["spec"]
-    lines = [f"RULER needle ({s['niah_task']}, RULER's prompt and answer prefix, tasks/ruler; the haystack its "
-             "task names: noise sentences, or essays from the python3-doc substitute): the answer's tokens teacher-forced after the answer prefix, exact match k/n "
-             f"with a 95% Clopper-Pearson interval and the mean log-probability per answer token; n = {s['niah_n']} "
-             f"per cell; chat template: {'yes' if results['chat'] else 'no'}; methods with a softmax temperature "
-             "are not run (RULER's reader takes none)", "",
-             "| method | " + " | ".join(_x(results, L) for L in Ls) + " |", "|---" * (len(Ls) + 1) + "|"]
-    rows = []
-    for m, byL in results["tasks"].get("niah", {}).items():
-        cells = []
-        for L in Ls:
-            recs = byL.get(L)
-            if not recs:
-                cells.append("—")
-                continue
-            k, n = count(recs, "retrieved")
-            ci = sps.binomtest(k, n).proportion_ci(method="exact")
-            lp = sum(r.get("tf_mean_logprob", 0.0) for r in recs) / n
-            same = f" (= {label(recs[0]['same_as'])})" if recs[0].get("same_as") else ""
-            cells.append(f"{k}/{n} [{100 * ci.low:.0f}-{100 * ci.high:.0f}%], {lp:.2f} nats/token{same}")
-            rows += [[m, L, r.get("depth"), r.get("retrieved"), r.get("tf_mean_logprob"), r.get("tf_token_acc"),
-                      r.get("same_as") or ""] for r in recs]
-        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
-    header = ["method", "length", "depth", "retrieved", "tf_mean_logprob", "tf_token_acc", "same_as"]
-    return "\n".join(lines) + "\n", _csv(header, rows)
+def task_table(results: dict, task: str) -> tuple[str, str]:
+    """The task's successes per method and length, k/n with a 95% Clopper-Pearson interval; for
+    passkey the whole answer (greedy exact match) beside the value retrieved, for RULER's needle the mean
+    log-probability per answer token."""
+    s, chat = results["spec"], "yes" if results["chat"] else "no"
+    if task == "niah":
+        intro = (f"RULER needle ({s['niah_task']}, RULER's prompt and answer prefix, tasks/ruler; the haystack its task "
+                 "names: noise sentences, or essays from the python3-doc substitute): the answer's tokens teacher-forced "
+                 "after the answer prefix, exact match k/n with a 95% Clopper-Pearson interval and the mean "
+                 f"log-probability per answer token; n = {s['niah_n']} per cell; chat template: {chat}; methods with a "
+                 "softmax temperature are not run (RULER's reader takes none)")
+        fields = ["depth", "retrieved", "tf_mean_logprob", "tf_token_acc"]
+        return _task_grid(results, task, intro,
+                          lambda recs, n: f"{sum(r.get('tf_mean_logprob', 0.0) for r in recs) / n:.2f} nats/token",
+                          fields, lambda r: [r.get(f) for f in fields])
+    intro = ("Passkey retrieved: the key's digits read out of the haystack (teacher-forced exact match of the "
+             "value's tokens after the answer prefix and its separator), k/n with a 95% Clopper-Pearson interval; "
+             "'whole' is the whole answer as greedy decoding gives it (separator first). "
+             f"{len(s['passkey_depths'])} depths {s['passkey_depths']} x n = {s['passkey_n']} per length; chat "
+             f"template: {chat}; plain RoPE in context is the baseline")
+    return _task_grid(results, task, intro, lambda recs, n: f"whole {count(recs, 'correct')[0]}/{n}",
+                      ["depth", "retrieved", "correct", "lead_ok", "value_nll", "token_acc", "pred", "answer"],
+                      lambda r: [r["depth"], r.get("retrieved"), r["correct"], r.get("lead_ok"), r.get("value_nll"),
+                                 r.get("token_acc"), " ".join(map(str, r["pred"])), " ".join(map(str, r["answer"]))])
 
 
 def temperature_table(results: dict) -> tuple[str, str]:
