@@ -321,5 +321,9 @@ def test_niah_cells_score_rulers_needle_teacher_forced(smoke):
     md, csv_text = task_table(results, "niah")
     k = sum(r["retrieved"] for r in recs)
     assert f"| {k}/2 [" in md and "nats/token" in md and len(csv_text.strip().splitlines()) == 3
+    from extrapolab.extend.tables import cost_table  # a study with NIAH cells: each stage kind has its row
+
+    stages = {**results["stage_seconds"], "cells/niah-768-" + "0" * 12: 12.5}
+    assert "| RULER needle | 768 | 1 | 12 |" in cost_table({**results, "stage_seconds": stages})
     with pytest.raises(TooShort, match="too short for RULER task niah_single_1"):
         niah_records(model, "niah_single_1", 512, tok, 1, False, tmp / "cache")

@@ -292,7 +292,7 @@ def cost_table(results: dict) -> str:
         L = rest[-2] if kind == "e" else rest[0]
         groups.setdefault((kind, int(L)), []).append(sec)
     names = {"align": "Algorithm 1 (its forwards at L and the L_ctx reference)", "e": "E1/E3/E4 cells",
-             "passkey": "passkey", "erf": "ERF"}  # each cell's seconds include the model load it needed
+             "passkey": "passkey", "niah": "RULER needle", "erf": "ERF"}  # each cell's seconds include its model load
     lines = ["| stage | L | cells | seconds (model loads included) |", "|---|---|---|---|"]
     for (kind, L), secs in sorted(groups.items(), key=lambda kv: (list(names).index(kv[0][0]), kv[0][1])):
         lines.append(f"| {names.get(kind, kind)} | {L:,} | {len(secs)} | {sum(secs):.0f} |")
