@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 126 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 127 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -732,6 +732,8 @@ def test_rope_kind_specs_are_one_line(case, spec, needles):
     ("extension study: no window", ["extend.windows=0"], ["extend.windows, long_windows and align_windows >= 1"]),
     ("extension study: more ERF segments than windows", ["extend.windows=2", "extend.erf_segments=3"],
      ["at most extend.windows = 2"]),
+    ("extension study: a RULER task that is not a needle task", ["extend.niah_task=vt"],
+     ["is not one of RULER's needle tasks", "niah_single_1", "or \"\" for none"]),
 ])
 def test_extension_study_settings_are_one_line(case, over, needles):
     from extrapolab.extend.spec import load_extend_preset
