@@ -259,6 +259,26 @@ class PositionalScheme(nn.Module):
         return ", ".join(f"{k}={v}" for k, v in {"heads": self.num_heads, **self.options()}.items())
 
 
+class Delegating:
+    """Mixin of a scheme built around another one (DAPE's and selective attention's ``base``, a layer type's
+    window or chunk around its ``inner``): rotation, temperature, length checks and parameter constraints
+    are that scheme's. ``delegate`` names the attribute that holds it."""
+
+    delegate = "base"
+
+    def rotate(self, q, k, q_pos, k_pos):
+        return getattr(self, self.delegate).rotate(q, k, q_pos, k_pos)
+
+    def temperature(self, q_pos, layer=0):
+        return getattr(self, self.delegate).temperature(q_pos, layer)
+
+    def check_length(self, length: int) -> None:
+        getattr(self, self.delegate).check_length(length)
+
+    def constrain_(self) -> None:
+        getattr(self, self.delegate).constrain_()
+
+
 def flex_copies(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     """``n`` tensors equal to ``t`` for a ``flex_bias`` that indexes ``t`` n times: where ``t`` requires a
     gradient, every index after the first reads its own clone (the gradients flow back through the clones and

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import PositionalScheme, RelativeBias, SchemeError
+from .base import Delegating, PositionalScheme, RelativeBias, SchemeError
 from .registry import REGISTRY, build, register, scheme_params
 
 #: elements of the MLP's hidden layer per chunk of keys (memory, not results: any size is exact)
@@ -46,7 +46,7 @@ HIDDEN_ELEMS = 1 << 19
 
 
 @register
-class DAPE(PositionalScheme):
+class DAPE(Delegating, PositionalScheme):
     name = "dape"
     kind = "score"
     paper = ("Zheng et al. 2024 (DAPE, NeurIPS) §3: z + B + MLP(z, B) across heads; DAPE V2 (arXiv 2410.04798) §3: "
@@ -92,24 +92,12 @@ class DAPE(PositionalScheme):
     def has_bias(self) -> bool:
         return self.base.has_bias
 
-    def rotate(self, q, k, q_pos, k_pos):
-        return self.base.rotate(q, k, q_pos, k_pos)
-
     def bias(self, q_pos, k_pos, layer=0):
         if not self.base.has_bias:
             return None
         if isinstance(self.base, RelativeBias):  # in the weights' precision (fp64 in exactness tests)
             return self.base.bias(q_pos, k_pos, layer, dtype=self.w1.dtype)
         return self.base.bias(q_pos, k_pos, layer)
-
-    def temperature(self, q_pos, layer=0):
-        return self.base.temperature(q_pos, layer)
-
-    def check_length(self, length: int) -> None:
-        self.base.check_length(length)
-
-    def constrain_(self) -> None:
-        self.base.constrain_()
 
     # ---- the data-adaptive term --------------------------------------------------------------------
     def adaptive(self, z: torch.Tensor, b: torch.Tensor | None, visible: torch.Tensor, layer: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .base import PositionalScheme, RelativeBias, SchemeError, causal_distance
+from .base import Delegating, PositionalScheme, RelativeBias, SchemeError, causal_distance
 from .registry import REGISTRY, build, scheme_params
 
 #: the one type a layer list may name without defining it: the model's own scheme, every key visible
@@ -89,26 +89,11 @@ def _check_inner(inner: PositionalScheme, what: str) -> None:
                           f"{what}, or a scheme such as rotary, none or alibi")
 
 
-class _Inner:
-    """What a window or chunk leaves to the scheme it restricts (``self.inner``): rotation, temperature,
-    length checks and parameter constraints."""
-
-    def rotate(self, q, k, q_pos, k_pos):
-        return self.inner.rotate(q, k, q_pos, k_pos)
-
-    def temperature(self, q_pos, layer=0):
-        return self.inner.temperature(q_pos, layer)
-
-    def check_length(self, length: int) -> None:
-        self.inner.check_length(length)
-
-    def constrain_(self) -> None:
-        self.inner.constrain_()
-
-
-class SlidingWindow(_Inner, RelativeBias):
+class SlidingWindow(Delegating, RelativeBias):
     """``inner``'s rotation (and bias) with a hard window: -inf at distance >= w (Sandwich paper §3.3),
     as one relative scheme, so the Toeplitz / flex paths run it (docs/attention.md)."""
+
+    delegate = "inner"
 
     paper = "Beltagy et al. 2020 (Longformer) §3.1 sliding window; Sandwich paper §3.3 hard window"
     summary = "a layer type's scheme with keys at distance < w only"
@@ -139,10 +124,12 @@ class SlidingWindow(_Inner, RelativeBias):
         return {"window": self.window, **self.inner.options()}
 
 
-class Chunked(_Inner, PositionalScheme):
+class Chunked(Delegating, PositionalScheme):
     """``inner`` with chunked attention: a query at m sees the keys n <= m with floor(n / c) = floor(m / c)
     (Llama 4; transformers' ``chunked_overlay``). ``bias`` is that mask (plus ``inner``'s bias), which the
     reference path and the analyses read; GPT's blocks attend chunk by chunk instead (model/chunked.py)."""
+
+    delegate = "inner"
 
     kind = "bias"
     relative = False

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import PositionalScheme, SchemeError
+from .base import Delegating, PositionalScheme, SchemeError
 from .registry import REGISTRY, build, register, scheme_params
 
 #: model sizes passed on to a base scheme that takes them
@@ -36,7 +36,7 @@ _SIZES = ("dim", "layers", "head_dim", "init_std", "original_length")
 
 
 @register
-class Selective(PositionalScheme):
+class Selective(Delegating, PositionalScheme):
     name = "selective"
     kind = "score"
     has_content = True  # each key's accumulated selection F, carried by the KV cache
@@ -74,20 +74,8 @@ class Selective(PositionalScheme):
     def has_bias(self) -> bool:
         return self.base.has_bias
 
-    def rotate(self, q, k, q_pos, k_pos):
-        return self.base.rotate(q, k, q_pos, k_pos)
-
     def bias(self, q_pos, k_pos, layer=0):
         return self.base.bias(q_pos, k_pos, layer) if self.base.has_bias else None
-
-    def temperature(self, q_pos, layer=0):
-        return self.base.temperature(q_pos, layer)
-
-    def check_length(self, length: int) -> None:
-        self.base.check_length(length)
-
-    def constrain_(self) -> None:
-        self.base.constrain_()
 
     # ---- selective attention ------------------------------------------------------------------------
     def content_positions(self, x, layer=0, past=None):
