@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from extrapolab import positional as P
-from extrapolab.memory import PeakMemory
 from extrapolab.model import twopass as TP
 from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, KVCache, ModelConfig
@@ -154,36 +153,6 @@ def test_kv_cache_decoding_and_prefix_equal_the_parallel_forward(opts):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_trains_through_the_fused_backward():
-    m = _gpt(chunk=13, w=2).train()
-    idx = torch.randint(0, 50, (2, 49), generator=torch.Generator().manual_seed(5))
-    m.loss(idx[:, :-1], idx[:, 1:]).backward()
-    fused = {n: p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad()
-    m.attn_opts = AttnOptions(impl="plain")
-    m.loss(idx[:, :-1], idx[:, 1:]).backward()
-    for n, p in m.named_parameters():
-        torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
-
-
-def test_long_input_exact_and_never_materialises_LxL():
-    g = torch.Generator().manual_seed(7)
-    s = P.build("rotary-dca", 4, chunk=192, w=32, original_length=256)
-    L = 1200
-    q, k, v = (torch.randn(1, 4, L, 16, generator=g) for _ in range(3))
-    pos = torch.arange(L)
-    with torch.no_grad():
-        fast, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions())
-        ref, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="plain"))
-    assert (fast - ref).abs().max() < 1e-5
-    L = 8192  # one [H, L, L] fp32 score tensor would be 1 GiB
-    q, k, v = (torch.randn(1, 4, L, 16, generator=g) for _ in range(3))
-    pos = torch.arange(L)
-    with torch.no_grad(), PeakMemory() as mem:
-        attend(q, k, v, pos, pos, s, 0, AttnOptions())
-    assert mem.mib < 96, mem.mib
-
-
 @pytest.mark.parametrize("Lq,Lk,C,w,window,block", [(40, 40, 13, 2, None, 7), (5, 40, 13, 2, None, 2),
                                                      (1, 33, 8, 1, None, 512), (40, 40, 11, 3, 9, 16),
                                                      (37, 50, 9, 4, 25, 6), (30, 30, 16, 0, None, 4)])
@@ -290,18 +259,7 @@ def test_every_hf_layer_equals_the_papers_rule(llama, spec, C, w):
         assert (out.double() - _llama_layer(attn, h, R)).abs().max() < 2e-5, spec
 
 
-def test_hf_kv_cache_generation_equals_the_full_forward_and_defaults(llama):
-    m = _open(llama, rope="dca:20,3")
-    ids = _ids(m, 70)
-    with torch.no_grad():
-        full = m.hf(input_ids=ids, use_cache=False).logits
-        out = m.hf(input_ids=ids[:, :30], use_cache=True)
-        steps, cache = [out.logits], out.past_key_values
-        for t in range(30, 70):
-            out = m.hf(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            steps.append(out.logits)
-            cache = out.past_key_values
-    assert (torch.cat(steps, 1) - full).abs().max() < 2e-5
+def test_hf_dca_defaults_follow_chunkllama(llama):  # its KV-cache decoding: test_rope_extend_hf.py
     from hf_tiny import MAXPOS
 
     assert _open(llama, rope="dca").loaded.info["rope_extension"] == {"method": "dca", "chunk": 3 * MAXPOS // 4,

@@ -183,7 +183,7 @@ def test_plain_rope_inside_the_window_and_the_merge_beyond(llama):
             assert (got - want).abs().max() < 2e-5, spec
 
 
-@pytest.mark.parametrize("spec", ["selfextend:2,8+logn", "rerope:6", "logn"])
+@pytest.mark.parametrize("spec", ["selfextend:2,8+logn", "rerope:6", "logn", "dca:20,3"])
 def test_kv_cache_generation_equals_the_full_forward(llama, spec):
     m = _open(llama, rope=spec)
     ids = _ids(m, 70)

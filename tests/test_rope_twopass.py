@@ -134,8 +134,9 @@ def test_kv_cache_decoding_and_prefix_equal_the_parallel_forward(name, opts):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_trains_through_the_fused_backward():
-    m = _gpt("rotary-selfextend", G=2, w=8).train()
+@pytest.mark.parametrize("name,opts", [("rotary-selfextend", {"G": 2, "w": 8}), ("rotary-dca", {"chunk": 13, "w": 2})])
+def test_gpt_trains_through_the_fused_backward(name, opts):
+    m = _gpt(name, **opts).train()
     idx = torch.randint(0, 50, (2, 49), generator=torch.Generator().manual_seed(5))
     m.loss(idx[:, :-1], idx[:, 1:]).backward()
     fused = {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -146,8 +147,10 @@ def test_gpt_trains_through_the_fused_backward():
         torch.testing.assert_close(fused[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_long_input_exact_and_never_materialises_LxL():
-    s = P.build("rotary-selfextend", 4, G=4, w=64, original_length=256)
+@pytest.mark.parametrize("name,opts", [("rotary-selfextend", {"G": 4, "w": 64}), ("rotary-rerope", {"w": 64}),
+                                       ("rotary-dca", {"chunk": 192, "w": 32})])
+def test_long_input_exact_and_never_materialises_LxL(name, opts):
+    s = P.build(name, 4, original_length=256, **opts)
     g = torch.Generator().manual_seed(7)
     L = 1200
     q, k, v = (torch.randn(1, 4, L, 16, generator=g) for _ in range(3))
@@ -159,11 +162,9 @@ def test_long_input_exact_and_never_materialises_LxL():
     L = 8192  # one [H, L, L] fp32 score tensor would be 1 GiB
     q, k, v = (torch.randn(1, 4, L, 16, generator=g) for _ in range(3))
     pos = torch.arange(L)
-    for name, opts in (("rotary-selfextend", {"G": 4, "w": 64}), ("rotary-rerope", {"w": 64})):
-        s = P.build(name, 4, original_length=256, **opts)
-        with torch.no_grad(), PeakMemory() as mem:
-            attend(q, k, v, pos, pos, s, 0, AttnOptions())
-        assert mem.mib < 96, (name, mem.mib)
+    with torch.no_grad(), PeakMemory() as mem:
+        attend(q, k, v, pos, pos, s, 0, AttnOptions())
+    assert mem.mib < 96, (name, mem.mib)
 
 
 def test_block_plan_covers_exactly_the_visible_keys():
