@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decoding import decode
-from test_schemes_contract import CASES, DIM, H, LAYERS, VOCAB, _randomize_, _scheme, registered
+from test_schemes_contract import CASES, DIM, H, LAYERS, VOCAB, _randomize_, _scheme, long_inputs, registered
 
 from extrapolab.memory import PeakMemory
 from extrapolab.model.attention import AttnOptions, attend
@@ -70,14 +70,7 @@ def test_long_attention_with_sinks_and_ssmax_never_builds_an_L_by_L_tensor(name)
     fallback for Toeplitz biases, within its memory budget, the reference path): far below one [H, L, L] fp32
     tensor (1 GiB)."""
     s = _scheme(name, {})
-    L, D = 8192, DIM // H
-    g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
-    pos = torch.arange(L)
-    content = None
-    if s.has_content:
-        p = torch.rand(1, H, L, generator=g, dtype=torch.float64).cumsum(-1)  # [1, H, L]
-        content = (p, p)
+    q, k, v, pos, content, g = long_inputs(s)
     sinks, ssmax = torch.randn(H, generator=g), torch.rand(H, generator=g)
     paths = {}
     with torch.no_grad(), PeakMemory() as mem:

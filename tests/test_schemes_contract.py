@@ -84,6 +84,18 @@ def _scheme(name, opts):
     return _randomize_(P.build(name, H, **params))
 
 
+def long_inputs(s, L: int = 8192, seed: int = 5):
+    """q, k, v [1, H, L, D], positions [L], content positions (for schemes with positions from content) and
+    the generator that drew them: the long-attention memory tests' inputs."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, L, DIM // H, generator=g) for _ in range(3))
+    content = None
+    if s.has_content:
+        p = torch.rand(1, H, L, generator=g, dtype=torch.float64).cumsum(-1)  # [1, H, L]
+        content = (p, p)
+    return q, k, v, torch.arange(L), content, g
+
+
 def _model(name, opts, train_length):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, layers=LAYERS, heads=H, dim=DIM, scheme=name,
@@ -265,14 +277,7 @@ def test_long_attention_never_builds_an_L_by_L_tensor(name, opts):
     far below (score-level schemes hold one block of 64 query rows at a time, ~8 MiB a tensor)."""
     with registered(name):
         s = _scheme(name, opts)
-        L, D = 8192, DIM // H
-        g = torch.Generator().manual_seed(5)
-        q, k, v = (torch.randn(1, H, L, D, generator=g) for _ in range(3))
-        pos = torch.arange(L)
-        content = None
-        if s.has_content:
-            p = torch.rand(1, H, L, generator=g, dtype=torch.float64).cumsum(-1)  # [1, H, L]
-            content = (p, p)
+        q, k, v, pos, content, _ = long_inputs(s)
         for layer in _layers(s):
             with torch.no_grad(), PeakMemory() as mem:
                 out, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(), content=content)
