@@ -33,3 +33,11 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     report2 = (out / "gpu-check.md").read_text()
     assert again.returncode == 0 and "| bench-long-b | 0 |" in report2 and "| torchrun | 0 |" in report2
     assert again.stdout.count("[gpu-check] torchrun: rc") == 1 and "[gpu-check] pytest: rc" not in again.stdout
+
+
+def test_gpu_check_unknown_stage_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path / "out"), "--dry-run",
+                           "--stages", "bench-wide"], capture_output=True, text=True, timeout=300)
+    err = [line for line in proc.stderr.splitlines() if line.startswith("gpu_check.py: error")]
+    assert proc.returncode == 2 and len(err) == 1 and "unknown stage(s) bench-wide; choose from pytest" in err[0]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "stages.json").exists()
