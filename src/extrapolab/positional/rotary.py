@@ -6,8 +6,8 @@ Rotate each pair (2i, 2i+1) of q and k by angle m·theta_i, theta_i = base^(-2i/
     out[2i+1] = x[2i] sin(m theta_i) + x[2i+1] cos(m theta_i)
 
 written as ``x * C + swap(x) * S`` with C = [cos, cos] and S = [-sin, +sin] interleaved per pair and
-swap(x) exchanging the two members of each pair: one copy (the swap) and two fused multiplies, no
-complex numbers, no half-size strided slices. C and S are cached per (d_head, device, dtype, scale
+swap(x) exchanging the two members of each pair (:mod:`.turn`: eager, one copy and two fused multiplies;
+on CUDA one Triton kernel forward and one backward), no complex numbers, no half-size strided slices. C and S are cached per (d_head, device, dtype, scale
 key), built in float64 then cast (long positions keep their precision), grown by doubling and
 dropped on ``.to()``; one forward gathers its rows once and reuses them for q, k and every layer.
 
@@ -34,6 +34,7 @@ import torch
 
 from .base import PositionalScheme, SchemeError
 from .registry import register
+from .turn import turn
 
 
 def default_inv_freq(base: float, d_head: int) -> torch.Tensor:
@@ -134,9 +135,7 @@ class Rotary(PositionalScheme):
         if d % 2:
             raise SchemeError(f"rotary needs an even head dimension, got {d}; change model.dim or heads")
         C, S = self.cos_sin(pos, d, x.dtype, length)  # [L, d]
-        swapped = x.unflatten(-1, (d // 2, 2)).flip(-1).flatten(-2)  # [..., L, d/2, 2] -> [..., L, d]
-        out = x * C  # [..., L, d]; mul saves x and C, not its output, so adding in place is safe
-        return out.addcmul_(swapped, S)
+        return turn(x, C, S)  # [..., L, d]: x * C + swap(x) * S, one fused kernel on CUDA
 
     def rotate(self, q, k, q_pos, k_pos):
         length = self._length(q_pos, k_pos)

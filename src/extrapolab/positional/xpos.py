@@ -33,6 +33,7 @@ import torch
 from .base import SchemeError
 from .registry import register
 from .rotary import Rotary
+from .turn import turn
 
 FLOAT_RANGE = 1e30  # zeta^(±n/scale_base) stays within [1/FLOAT_RANGE, FLOAT_RANGE] (fp32/bf16 reach 3e38)
 HALF_RANGE = 6e4  # float16 (CUDA autocast) reaches 65504
@@ -124,19 +125,13 @@ class XPos(Rotary):
         self._memo = (pos, key, version, rows)
         return rows
 
-    @staticmethod
-    def _turn(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-        """x * C + swap(x) * S, swap exchanging the members of each pair (as rotary's)."""
-        swapped = x.unflatten(-1, (x.shape[-1] // 2, 2)).flip(-1).flatten(-2)  # [..., L, d]
-        return (x * C).addcmul_(swapped, S)
-
     def rotate(self, q, k, q_pos, k_pos):
         d = q.shape[-1]
         if d % 2:
             raise SchemeError(f"xpos needs an even head dimension, got {d}; change model.dim or heads")
         Cq, Sq, _, _ = self._xpos_rows(q_pos, d, q.dtype)
         _, _, Ck, Sk = self._xpos_rows(k_pos, d, k.dtype)
-        return self._turn(q, Cq, Sq), self._turn(k, Ck, Sk)
+        return turn(q, Cq, Sq), turn(k, Ck, Sk)  # [..., L, d] each: rotary's rotation (.turn)
 
     def options(self):
         return {"base": self.base, "scale_base": self.scale_base, "gamma": self.gamma, "center": self.center}
