@@ -116,6 +116,22 @@ def test_flex_path_has_no_host_device_sync_per_layer(name, monkeypatch):
     assert max(counts.values()) <= 5, counts
 
 
+@pytest.mark.parametrize("name", ["rotary", "xpos", "nope-headscale", "hybrid", "fox", "fire", "t5", "kerple-log"])
+def test_training_step_has_no_host_device_sync_per_layer(name):
+    """The other paths a GPU trains on (causal with a rotation or a per-head temperature, folded, the learnable
+    tables' per-forward Hankel build): a forward and backward synchronise a few times per step, never per layer.
+    (FoX's one-hot and the learnable tables' reach read two and three values back per layer before.)"""
+    counts = {}
+    for layers in (2, 6):
+        torch.manual_seed(0)
+        m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=64, heads=4, layers=layers, train_length=128))
+        idx = torch.randint(0, 64, (2, 128))
+        with CountSyncs() as c:
+            m(idx).float().sum().backward()
+        counts[layers] = len(c.calls)
+    assert counts[2] == counts[6] and counts[2] <= 7, counts
+
+
 def test_sync_counter_sees_the_syncs_it_must_catch():
     """The counter is not blind: int() of a tensor and torch.tensor from host data are counted."""
     with CountSyncs() as c:

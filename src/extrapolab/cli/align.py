@@ -279,7 +279,7 @@ def rope(
     model: Optional[str] = typer.Argument(None, help="hf:PATH (a local folder or GGUF file of a pretrained RoPE "
                                           "model): compare the methods on its weights instead of training one"),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="rope-smoke | rope-quick (default) | YAML; with "
-                                         "hf:PATH extend-smoke | extend-quick (default, ~90 min on 2 cores)"),
+                                         "hf:PATH extend-smoke | extend-quick (default, ~1.8 h on 2 idle cores)"),
     out: Optional[Path] = typer.Option(None, "--out", help="report folder (default out_dir/name, e.g. reports/rope-quick)"),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="override a config value, e.g. --set rope.n=8 or "
                                              "extend.windows=2 (repeatable)"),

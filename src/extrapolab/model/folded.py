@@ -78,7 +78,7 @@ def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, sc
     mids = r0 + torch.clamp(torch.arange(G, device=q.device) * gs + gs // 2, max=bq - 1)  # [G]
     refs = pq[..., mids]  # [B|1, H|1, G] p at each group's middle query
     c = (pk[..., lo:hi, None] - refs[..., None, :]) * s[..., None]  # [B|1, H, bk, G]
-    tq = F.one_hot(grp, G).to(torch.float64)  # [bq, G]
+    tq = (grp[:, None] == torch.arange(G, device=q.device)).to(torch.float64)  # [bq, G] one-hot, no read-back
     qb = q[:, :, r0:r1]
     if tau_rows is not None:
         t = 1.0 / tau_rows[..., r0:r1].to(torch.float64)  # [B|1, H|1, bq]

@@ -122,8 +122,8 @@ class DistanceBias:
         key = (kind, self.layer_key(layer), window, float(tau), dtype)
         if self.scheme.has_bias and self.scheme.learnable and torch.is_grad_enabled():
             mkey = key + (dmax, size)
-            if mkey not in self._hankels:
-                self._hankels[mkey] = self._build(layer, dmax, size, window, tau, dtype, kind)
+            if mkey not in self._hankels:  # rebuilt every forward: no read-back of its reach (a sync per layer)
+                self._hankels[mkey] = self._build(layer, dmax, size, window, tau, dtype, kind, reach=False)
             return self._hankels[mkey]
         cache = self.scheme._table_cache
         ckey = ("hankel", self.device) + key
@@ -142,19 +142,22 @@ class DistanceBias:
         start = hit[1] - dmax
         return hit[0][:, start:start + size], hit[3]
 
-    def _build(self, layer, dmax, size, window, tau, dtype, kind) -> tuple[torch.Tensor, int]:
+    def _build(self, layer, dmax, size, window, tau, dtype, kind, reach=True) -> tuple[torch.Tensor, int]:
+        """(ext, dfin): ``reach=False`` takes dfin from the window alone (no device read-back; keys past the
+        table's last finite distance are then masked by their -inf, not skipped: the same numbers)."""
         t = self.table(layer, dmax + 1, kind)  # [H', dmax+1]
         d = dmax - torch.arange(size, device=t.device)  # [size] distance of ext slot x
         if kind == "weight":
             return t[:, d.clamp(0, dmax)].masked_fill(d < 0, 0.0).to(dtype).contiguous(), dmax
-        ok = d >= 0
-        finite = torch.isfinite(t.detach()).any(0)  # [dmax+1]
-        if window is not None:
-            ok = ok & (d < window)
-            finite = finite & (torch.arange(dmax + 1, device=t.device) < window)
+        ok = d >= 0 if window is None else (d >= 0) & (d < window)
         ext = t[:, d.clamp(0, dmax)].masked_fill(~ok, -math.inf)  # [H', size]
         if tau != 1.0:
             ext = ext / tau
+        if not reach:
+            return ext.to(dtype).contiguous(), dmax if window is None else max(0, min(dmax, int(window) - 1))
+        finite = torch.isfinite(t.detach()).any(0)  # [dmax+1]
+        if window is not None:
+            finite = finite & (torch.arange(dmax + 1, device=t.device) < window)
         dfin = int(finite.nonzero().max()) if bool(finite.any()) else 0
         return ext.to(dtype).contiguous(), dfin
 
