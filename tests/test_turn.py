@@ -66,6 +66,17 @@ def test_an_expanded_gradient_and_empty_input_take_the_kernel_or_eager_correctly
     assert not turn.fused_applies(empty, C[:0], S[:0]) and turn.turn(empty, C[:0], S[:0]).shape == empty.shape
 
 
+def test_kernel_runs_under_inference_mode_and_without_grad(interpret):
+    """Evaluation calls it under ``torch.inference_mode()`` (and ``no_grad``): the same numbers, no graph."""
+    x, C, S = _inputs((1, 2, 5, 8), torch.float32, "contiguous")
+    ref = turn.eager(x.double(), C.double(), S.double())
+    for ctx in (torch.inference_mode, torch.no_grad):
+        with ctx():
+            y = turn.turn(x.clone(), C.clone(), S.clone())
+        assert y.grad_fn is None
+        torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_when_the_kernel_runs(interpret, monkeypatch):
     x, C, S = _inputs((1, 2, 4, 8), torch.float32, "contiguous")
     assert turn.fused_applies(x, C, S)
