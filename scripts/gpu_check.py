@@ -9,7 +9,8 @@ in one pass, each stage with a time limit (about 15 minutes on a bare H100 machi
    32,768 for every scheme with a CUDA goal (docs/attention.md, perf.table.GPU_GOALS) plus NoPE, each row with the
    attention path it took, FlexAttention's tile options, outcome and compile seconds, any fallback;
 3. a 300-step `demo --preset gpu-quick` slice on NoPE and ALiBi with its E1 table;
-4. a one-process `torchrun` training run (the multi-GPU path's code at world size 1: NCCL on CUDA);
+4. one profiled train step per scheme that misses a goal (`bench --groups profile`: its CUDA kernels by time);
+5. a one-process `torchrun` training run (the multi-GPU path's code at world size 1: NCCL on CUDA);
 
 then prints the goals met or missed and writes OUT/gpu-check.md (and docs/results/gpu-<gpu>.md): the GPU's name,
 torch, CUDA, triton, the command, each stage's wall time and outcome. `--dry-run` runs the same stages at toy
@@ -45,7 +46,7 @@ SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: minutes, over the 8 hoped for: on a machine whose commands stop at 10 minutes, run it as two commands
 #: (--stages). A stage past its limit keeps what it wrote (see _stage).
 LIMITS = {"pytest": 200, "bench-train-a1": 40, "bench-train-a2": 90, "bench-train-b1": 70, "bench-train-b2": 60,
-          "bench-train-c": 70, "bench-long-a": 120, "bench-long-b": 180, "demo": 60, "torchrun": 30}
+          "bench-train-c": 70, "bench-long-a": 120, "bench-long-b": 180, "demo": 60, "profile": 90, "torchrun": 30}
 
 
 def _env() -> dict:
@@ -147,6 +148,9 @@ def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
                      str(out / "demo"), *dev, "--set", "sweep.schemes=[none,alibi]", "--set", "sweep.reference=alibi",
                      "--set", "sweep.time_budget_s=0", "--set", f"train.steps={20 if dry else 300}",
                      "--set", "eval.protocols=[nonoverlapping]"], {})
+    profiled = ("rotary",) if dry else ("rotary", "xpos", "nope-headscale", "alibi", "qin-type1", "t5", "fox", "fire")
+    cmds["profile"] = (bench + ["--schemes", ",".join(profiled), "--groups", "profile", "--out",
+                                str(out / "profile.json")], {})
     cmds["torchrun"] = ([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
                          "extrapolab.train", "--preset", "demo-smoke", "--run-dir", str(out / "torchrun"),
                          "--no-progress", "--set", "train.steps=10", "--set",
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (checks the plumbing)")
     ap.add_argument("--stages", default="", help="comma-separated stages to run (default: all); the report "
                     "covers every stage recorded in OUT, so a check can run in two commands: "
-                    "--stages pytest,bench-train then --stages bench-long,demo,torchrun")
+                    "--stages pytest,bench-train then --stages bench-long,demo,profile,torchrun")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -187,6 +191,7 @@ def main(argv=None) -> int:
 
 def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
     sys.path.insert(0, str(ROOT / "src"))
+    from extrapolab.perf.profile import format_profile
     from extrapolab.perf.table import check_gpu_goals, format_table
 
     bench = {}
@@ -211,6 +216,10 @@ def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
         lines += ["", "## bench (ratios to bias-free SDPA timed next to each call)", "", format_table(bench)]
         if not dry:
             lines += ["", "## goals (docs/attention.md)", ""] + check_gpu_goals(bench)
+    prof = out / "profile.json"
+    if prof.is_file():
+        lines += ["", "## profile: where one train step's time goes (the kernels by GPU time)"]
+        lines += format_profile(json.loads(prof.read_text()).get("profile") or {})
     fb = _fallbacks(out)
     lines += ["", "## fallbacks (one-line warnings)", ""] + (fb or ["none"])
     lines += ["", "## demo slice: E1 (NoPE, ALiBi)", "", _e1_table(out / "demo")]

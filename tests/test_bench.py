@@ -293,3 +293,20 @@ def test_rows_say_which_path_ran_and_scheme_at_impl_forces_one():
     with pytest.raises(UserError, match="SCHEME@IMPL") as err:
         run_bench(["alibi@fast"], model_cfg=TINY, progress=False)
     assert "\n" not in str(err.value)
+
+
+def test_profile_group_lists_each_schemes_operators_and_runs_only_on_request():
+    """``--groups profile``: one profiled train step per scheme (NoPE too); on the CPU its aten operators by self
+    time. The rotation's eager operators make rotary's step dispatch more of them than NoPE's; a bench that names
+    no group leaves the profile out (it times nothing against NoPE)."""
+    from extrapolab.perf.bench import DEFAULT_GROUPS, GROUPS
+
+    res = run_bench(["rotary"], lengths_train=(16,), model_cfg=TINY, groups=["profile"], repeats=1, warmup=1,
+                    progress=False)
+    rows = res["profile"]["16"]
+    assert set(rows) == {"none", "rotary"} and "train" not in res
+    for r in rows.values():
+        assert r["top"] and r["kernel_ms"] > 0 and all(name.startswith("aten::") for name, _, _ in r["top"])
+    assert rows["rotary"]["launches"] > rows["none"]["launches"]
+    assert "### profile: one train step, L_tr = 16" in format_table(res) and "| rotary | " in format_table(res)
+    assert "profile" in GROUPS and "profile" not in DEFAULT_GROUPS

@@ -15,7 +15,9 @@ sizes (:mod:`.timing`). Row groups:
   schemes are marked "sparse";
 * generation: per-token time with a ``KVCache(window=w̄)`` at positions w̄..8·w̄ against one
   forward over the last w̄ tokens (re-encoding);
-* denormals: ALiBi and NoPE train steps with flush-to-zero on and off, one thread, same process.
+* denormals: ALiBi and NoPE train steps with flush-to-zero on and off, one thread, same process;
+* profile (on request only): one profiled train step per scheme, its kernels (CUDA) or operators (CPU) by
+  time (:mod:`.profile`): why a row is slower, not how much.
 
 Memory: extrapolab.memory.PeakMemory around one extra, untimed call per row.
 To add a row group (e.g. a RegularGPT LM), write ``fn(ctx: Context) -> dict`` in ``perf/groups.py``, add it to
@@ -40,6 +42,7 @@ from ..train.step import resolve_precision
 from .context import BASE, Context, Spec, as_specs, build_model  # noqa: F401  (re-exported: sweep/cost.py, tests)
 from .groups import (attention_only, bench_denormals, bench_generation, bench_long, bench_train,  # noqa: F401
                      unfused_reason, window_limited)
+from .profile import bench_profile
 
 DEMO = ModelConfig(vocab_size=4096, layers=4, heads=4, dim=128, scheme=BASE)
 ROUNDS = 9  # paired rounds per row: a median's 95% interval within ±3% on an idle 2-core CPU
@@ -83,7 +86,10 @@ def preset_settings(name: str) -> dict:
 
 #: row groups in the order run_bench measures them (see the module docstring to add one)
 GROUPS: dict[str, Callable[[Context], dict]] = {
-    "train": bench_train, "long": bench_long, "generation": bench_generation, "denormals": bench_denormals}
+    "train": bench_train, "long": bench_long, "generation": bench_generation, "denormals": bench_denormals,
+    "profile": bench_profile}
+#: the groups a bench runs unless told (``profile`` lists kernels, it times nothing against NoPE: on request)
+DEFAULT_GROUPS = ("train", "long", "generation", "denormals")
 
 
 def _stderr(msg: str) -> None:
@@ -108,7 +114,7 @@ def run_bench(schemes=None, lengths_train=(128, 512), long_lengths=(4096, 16384,
     specs = as_specs(schemes or (QUICK["schemes"] if quick else positional.names()))
     if repeats < 1 or warmup < 0 or gen_window < 1 or any(int(L) < 2 for L in (*lengths_train, *long_lengths)):
         raise UserError("bench needs repeats >= 1, warmup >= 0, gen_window >= 1 and lengths >= 2")
-    groups = list(groups or GROUPS)
+    groups = list(groups or DEFAULT_GROUPS)
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         raise UserError(f"unknown bench group(s) {', '.join(unknown)}; choose from {', '.join(GROUPS)}")

@@ -76,7 +76,7 @@ def window_limited(model: GPT, L: int) -> bool:
     return bool(torch.isinf(b).any())
 
 
-def _train_jobs(ctx: Context, m: GPT, x, y, parts, B, L, max_position: int = 0) -> dict[str, Callable]:
+def train_jobs(ctx: Context, m: GPT, x, y, parts, B, L, max_position: int = 0) -> dict[str, Callable]:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     draws = randomized.PositionSampler(max_position) if max_position else None  # as the trainer draws them
 
@@ -122,7 +122,7 @@ def bench_train(ctx: Context) -> dict:
         for s in ctx.specs:
             models[s.label] = build_model(ctx, s)
             mark = observe(models[s.label])
-            for part, fn in _train_jobs(ctx, models[s.label], x, y, parts, B, L, s.positions).items():
+            for part, fn in train_jobs(ctx, models[s.label], x, y, parts, B, L, s.positions).items():
                 for _ in range(ctx.warmup):
                     fn()
                 jobs[(s.label, part)] = fn
@@ -235,7 +235,7 @@ def bench_denormals(ctx: Context) -> dict:
         for name in (BASE, "alibi"):
             for mode in ("flush", "keep"):
                 label = f"{name} {mode}"
-                jobs[label] = _train_jobs(ctx, build_model(ctx, Spec(name, name)), x, y, ("step_s",), B, L)["step_s"]
+                jobs[label] = train_jobs(ctx, build_model(ctx, Spec(name, name)), x, y, ("step_s",), B, L)["step_s"]
                 before[label] = lambda on=(mode == "flush"): flush_denormals(on)
                 for _ in range(ctx.warmup):
                     before[label](), jobs[label]()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from .. import positional
+from .profile import format_profile
 from .timing import TOLERANCE, fmt_ratio
 
 #: the speed goals of the cost table: train step / NoPE at L_tr = 512, 2 threads, >= 7 rounds
@@ -203,6 +204,7 @@ FORMATTERS = {
     "long": lambda res: [x for L, rows in res.items() for x in _long(L, rows)],
     "generation": format_generation,
     "denormals": format_denormals,
+    "profile": format_profile,
 }
 
 

@@ -1,0 +1,86 @@
+"""``bench --groups profile``: where one train step's time goes, kernel by kernel, per scheme (torch.profiler).
+
+The train rows say how much slower than NoPE a scheme's step is; this group says why. For each scheme and L_tr
+it builds the row's model, runs its warm-up steps (compiles included), then profiles one more step (forward,
+backward, AdamW, ``constrain_``) with ``torch.profiler``: on CUDA the device kernels (each launch's name, its
+time on the GPU and how many launches; what a fused kernel removes shows as fewer launches and less time), on
+the CPU the aten operators by self time (the eager dispatches a GPU would launch as kernels). It times nothing
+against a baseline -- the profiler's overhead makes its totals no speed figure; the train rows are -- and is
+off by default (``--groups profile``, or ``train,profile``).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from .context import Context, build_model
+from .groups import train_jobs
+from .timing import sync
+
+#: kernels (operators on the CPU) listed per row, most time first
+TOP = 8
+#: characters of a kernel's name kept (CUDA template names run to hundreds)
+NAME = 72
+
+
+def summarize(prof, device: torch.device, top: int = TOP) -> dict:
+    """{launches, kernel_ms, top: [[name, ms, calls], ...]} of one profiled call: CUDA kernels on a GPU, else the
+    aten operators by self CPU time."""
+    total, calls = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if device.type == "cuda":
+            if e.device_type != DeviceType.CUDA:
+                continue
+            us = e.time_range.elapsed_us()
+        else:
+            if not e.name.startswith("aten::"):
+                continue
+            us = e.self_cpu_time_total
+        total[e.name] += us
+        calls[e.name] += 1
+    ranked = sorted(total, key=lambda n: -total[n])[:top]
+    return {"launches": sum(calls.values()), "kernel_ms": sum(total.values()) / 1e3, "what": "cuda kernels"
+            if device.type == "cuda" else "aten operators (self CPU time)",
+            "top": [[n[:NAME], total[n] / 1e3, calls[n]] for n in ranked]}
+
+
+def bench_profile(ctx: Context) -> dict:
+    """{L_tr: {label: summary}}: one profiled train step per scheme after the row's warm-up (at least one step)."""
+    out = {}
+    for L in ctx.opts["lengths_train"]:
+        B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+        ctx.say(f"profile L_tr={L}, batch {B}: {len(ctx.specs)} schemes x ({max(1, ctx.warmup)} warm-up + 1 profiled step)")
+        idx = torch.randint(0, ctx.cfg.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(L))
+        x, y = idx[:, :-1].to(ctx.device), idx[:, 1:].to(ctx.device)  # [B, L] each
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+        rows = {}
+        for s in ctx.specs:
+            model = build_model(ctx, s)
+            step = train_jobs(ctx, model, x, y, ("step_s",), B, L, s.positions)["step_s"]
+            for _ in range(max(1, ctx.warmup)):
+                step()
+            sync(ctx.device)
+            with profile(activities=activities) as prof:
+                step()
+                sync(ctx.device)
+            rows[s.label] = {"scheme": s.name, "batch": B, **summarize(prof, ctx.device),
+                             **ctx.prov(L=L, batch=B, group="profile")}
+            del model
+        out[str(L)] = rows
+    return out
+
+
+def format_profile(res: dict) -> list[str]:
+    """Per L_tr: each scheme's launches, their total time and its top kernels (operators on the CPU)."""
+    lines = []
+    for L, rows in res.items():
+        what = next(iter(rows.values()), {}).get("what", "")
+        lines += ["", f"### profile: one train step, L_tr = {L} ({what}; profiler on, so no speed figure)", "",
+                  "| scheme | calls | total ms | top (ms, calls) |", "|---|---|---|---|"]
+        for label, r in rows.items():
+            top = "; ".join(f"`{n}` {ms:.2f} ×{c}" for n, ms, c in r["top"][:5])
+            lines.append(f"| {label} | {r['launches']} | {r['kernel_ms']:.1f} | {top} |")
+    return lines
