@@ -5,8 +5,11 @@ it builds the row's model, runs its warm-up steps (compiles included), then prof
 backward, AdamW, ``constrain_``) with ``torch.profiler``: on CUDA the device kernels (each launch's name, its
 time on the GPU and how many launches; what a fused kernel removes shows as fewer launches and less time), on
 the CPU the aten operators by self time (the eager dispatches a GPU would launch as kernels). It times nothing
-against a baseline -- the profiler's overhead makes its totals no speed figure; the train rows are -- and is
-off by default (``--groups profile``, or ``train,profile``).
+against a baseline -- the profiler's overhead makes its totals no speed figure; the train rows are -- beyond
+the fastest of 3 unprofiled steps beside them, and is off by default (``--groups profile``, or
+``train,profile``). On a GPU the two together tell a step bound by its kernels (busy ≈ step) from one bound by
+the host launching them (busy far below the step: GPT-2 small at 16 x 512 may be one -- every eager operator a
+scheme adds per layer then costs its launch, whatever its arithmetic).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from .context import Context, build_model
 from .groups import train_jobs
-from .timing import sync
+from .timing import sync, timed
 
 #: kernels (operators on the CPU) listed per row, most time first
 TOP = 8
@@ -52,7 +55,8 @@ def bench_profile(ctx: Context) -> dict:
     out = {}
     for L in ctx.opts["lengths_train"]:
         B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
-        ctx.say(f"profile L_tr={L}, batch {B}: {len(ctx.specs)} schemes x ({max(1, ctx.warmup)} warm-up + 1 profiled step)")
+        ctx.say(f"profile L_tr={L}, batch {B}: {len(ctx.specs)} schemes x ({max(1, ctx.warmup)} warm-up, 3 timed "
+                "and 1 profiled step)")
         idx = torch.randint(0, ctx.cfg.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(L))
         x, y = idx[:, :-1].to(ctx.device), idx[:, 1:].to(ctx.device)  # [B, L] each
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
@@ -62,11 +66,11 @@ def bench_profile(ctx: Context) -> dict:
             step = train_jobs(ctx, model, x, y, ("step_s",), B, L, s.positions)["step_s"]
             for _ in range(max(1, ctx.warmup)):
                 step()
-            sync(ctx.device)
+            wall = min(timed(step, ctx.device) for _ in range(3))  # unprofiled: the step as the train rows see it
             with profile(activities=activities) as prof:
                 step()
                 sync(ctx.device)
-            rows[s.label] = {"scheme": s.name, "batch": B, **summarize(prof, ctx.device),
+            rows[s.label] = {"scheme": s.name, "batch": B, "step_ms": 1e3 * wall, **summarize(prof, ctx.device),
                              **ctx.prov(L=L, batch=B, group="profile")}
             del model
         out[str(L)] = rows
@@ -78,9 +82,12 @@ def format_profile(res: dict) -> list[str]:
     lines = []
     for L, rows in res.items():
         what = next(iter(rows.values()), {}).get("what", "")
-        lines += ["", f"### profile: one train step, L_tr = {L} ({what}; profiler on, so no speed figure)", "",
-                  "| scheme | calls | total ms | top (ms, calls) |", "|---|---|---|---|"]
+        lines += ["", f"### profile: one train step, L_tr = {L} ({what})", "",
+                  "step ms: the fastest of 3 unprofiled steps; busy ms: the listed calls' time summed under the "
+                  "profiler. On a GPU, busy far below the step means the step waits on the host's launches "
+                  "(fewer launches, not faster kernels, is then what helps).", "",
+                  "| scheme | step ms | calls | busy ms | top (ms, calls) |", "|---|---|---|---|---|"]
         for label, r in rows.items():
             top = "; ".join(f"`{n}` {ms:.2f} ×{c}" for n, ms, c in r["top"][:5])
-            lines.append(f"| {label} | {r['launches']} | {r['kernel_ms']:.1f} | {top} |")
+            lines.append(f"| {label} | {r['step_ms']:.1f} | {r['launches']} | {r['kernel_ms']:.1f} | {top} |")
     return lines
