@@ -55,6 +55,30 @@ def test_kernel_equals_the_rotation_in_fp64_forward_and_backward(interpret, shap
         assert err <= tol, (err, tol)
 
 
+@pytest.mark.parametrize("grads", ["both", "q only", "k only"])
+def test_pair_kernel_turns_q_and_k_of_other_shapes_in_one_launch(interpret, monkeypatch, grads):
+    """A layer's q and k in one launch each way: other head counts (GQA), other lengths (a decoding step's one
+    query over seven cached keys), other layouts; a gradient for either or both."""
+    q, Cq, Sq = _inputs((2, 4, 1, 16), torch.float32, "contiguous", seed=3)
+    k, Ck, Sk = _inputs((2, 2, 7, 16), torch.float32, "transposed", seed=4)
+    launches = []
+    real = turn.launch
+    monkeypatch.setattr(turn, "launch", lambda ops, transpose: launches.append(len(ops)) or real(ops, transpose))
+    q.requires_grad_(grads != "k only")
+    k.requires_grad_(grads != "q only")
+    yq, yk = turn.turn_pair(q, k, Cq, Sq, Ck, Sk)
+    gq, gk = torch.randn_like(yq), torch.randn_like(yk)
+    (yq * gq + 0).sum().add((yk * gk).sum()).backward()
+    assert launches == [2, 2 if grads == "both" else 1]
+    for x, C, S, y, g in ((q, Cq, Sq, yq, gq), (k, Ck, Sk, yk, gk)):
+        x64 = x.detach().double().requires_grad_(True)
+        y64 = turn.eager(x64, C.double(), S.double())
+        (y64 * g.double()).sum().backward()
+        torch.testing.assert_close(y.double(), y64, rtol=1e-6, atol=1e-6)
+        if x.requires_grad:
+            torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_an_expanded_gradient_and_empty_input_take_the_kernel_or_eager_correctly(interpret):
     x, C, S = _inputs((2, 2, 7, 8), torch.float32, "contiguous")
     x = x.requires_grad_(True)
@@ -101,8 +125,8 @@ def test_model_with_the_kernel_equals_the_eager_model(interpret, monkeypatch, sc
                         train_length=16))
     idx = torch.randint(0, 40, (2, 24), generator=torch.Generator().manual_seed(2))
     calls = []
-    real = turn._Turn.apply
-    monkeypatch.setattr(turn._Turn, "apply", lambda *a: calls.append(1) or real(*a))
+    real = turn._TurnPair.apply
+    monkeypatch.setattr(turn._TurnPair, "apply", lambda *a: calls.append(1) or real(*a))
 
     def run(enabled):
         monkeypatch.setattr(turn, "ENABLED", enabled)

@@ -34,7 +34,7 @@ import torch
 
 from .base import PositionalScheme, SchemeError
 from .registry import register
-from .turn import turn
+from .turn import turn_pair
 
 
 def default_inv_freq(base: float, d_head: int) -> torch.Tensor:
@@ -130,19 +130,17 @@ class Rotary(PositionalScheme):
         return max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0) + 1
 
     # ---- the hook ----------------------------------------------------------------------
-    def _rot(self, x: torch.Tensor, pos: torch.Tensor, length: int | None) -> torch.Tensor:
-        d = x.shape[-1]
-        if d % 2:
-            raise SchemeError(f"rotary needs an even head dimension, got {d}; change model.dim or heads")
-        C, S = self.cos_sin(pos, d, x.dtype, length)  # [L, d]
-        return turn(x, C, S)  # [..., L, d]: x * C + swap(x) * S, one fused kernel on CUDA
-
     def rotate(self, q, k, q_pos, k_pos):
         length = self._length(q_pos, k_pos)
-        q = self._rot(q, q_pos, length)
+        d = q.shape[-1]
+        if d % 2:
+            raise SchemeError(f"rotary needs an even head dimension, got {d}; change model.dim or heads")
+        Cq, Sq = self.cos_sin(q_pos, d, q.dtype, length)  # [Lq, d] each
+        Ck, Sk = self.cos_sin(k_pos, d, k.dtype, length)  # [Lk, d] each
+        q, k = turn_pair(q, k, Cq, Sq, Ck, Sk)  # one fused kernel for both on CUDA (.turn)
         if self.logn:  # a per-query temperature: scaling q scales that query's logits
             q = q * logn_scale(q_pos, self.original_length).to(q.dtype)[:, None]  # [Lq, 1]
-        return q, self._rot(k, k_pos, length)
+        return q, k
 
     def logn_options(self) -> dict:
         """The log-n option as ``options()`` reports it (nothing when off: older runs read the same)."""

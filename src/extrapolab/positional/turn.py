@@ -68,17 +68,41 @@ def turn(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     return eager(x, C, S)
 
 
+def turn_pair(q: torch.Tensor, k: torch.Tensor, Cq, Sq, Ck, Sk) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`turn` of q by (Cq, Sq) and of k by (Ck, Sk): both in one kernel launch forward and one backward where
+    the kernel runs for both (a layer's rotation: each launch costs the host more than the GPU's work here)."""
+    if q.dtype == k.dtype and q.shape[-1] == k.shape[-1] and fused_applies(q, Cq, Sq) and fused_applies(k, Ck, Sk):
+        return _TurnPair.apply(q, k, Cq, Sq, Ck, Sk)
+    return turn(q, Cq, Sq), turn(k, Ck, Sk)
+
+
 class _Turn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, C, S):
         ctx.save_for_backward(C, S)
-        return launch(x, C, S, transpose=False)
+        return launch([(x, C, S)], transpose=False)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         C, S = ctx.saved_tensors
-        return launch(g, C, S, transpose=True), None, None
+        return launch([(g, C, S)], transpose=True)[0], None, None
+
+
+class _TurnPair(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, Cq, Sq, Ck, Sk):
+        ctx.save_for_backward(Cq, Sq, Ck, Sk)
+        return tuple(launch([(q, Cq, Sq), (k, Ck, Sk)], transpose=False))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gq, gk):
+        Cq, Sq, Ck, Sk = ctx.saved_tensors
+        want = [g is not None and ctx.needs_input_grad[i] for i, g in enumerate((gq, gk))]  # q's, k's gradient
+        todo = [op for op, w in zip(((gq, Cq, Sq), (gk, Ck, Sk)), want) if w]
+        out = iter(launch(todo, transpose=True) if todo else ())
+        return (next(out) if want[0] else None, next(out) if want[1] else None, None, None, None, None)
 
 
 @functools.cache
@@ -88,9 +112,18 @@ def _kernel(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def turn_kernel(X, C, S, Y, H, L, D, sxb, sxh, sxl, syb, syh, syl, scl, ssl,
+    def turn_kernel(X0, C0, S0, Y0, NBH0, H0, L0, sxb0, sxh0, sxl0, syb0, syh0, syl0, scl0, ssl0,
+                    X1, C1, S1, Y1, NBH1, H1, L1, sxb1, sxh1, sxl1, syb1, syh1, syl1, scl1, ssl1, D,
                     TRANSPOSE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):
+        first = tl.program_id(2) == 0  # the grid's third axis picks the operand: q (0) or k (1)
+        X, C, S = tl.where(first, X0, X1), tl.where(first, C0, C1), tl.where(first, S0, S1)  # operand's pointers
+        Y = tl.where(first, Y0, Y1)
+        H = tl.where(first, H0, H1)
         bh = tl.program_id(0)
+        L = tl.where(bh < tl.where(first, NBH0, NBH1), tl.where(first, L0, L1), 0)  # no rows past this operand's B·H
+        sxb, sxh, sxl = tl.where(first, sxb0, sxb1), tl.where(first, sxh0, sxh1), tl.where(first, sxl0, sxl1)
+        syb, syh, syl = tl.where(first, syb0, syb1), tl.where(first, syh0, syh1), tl.where(first, syl0, syl1)
+        scl, ssl = tl.where(first, scl0, scl1), tl.where(first, ssl0, ssl1)
         b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
         rows = (tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)  # [BL] positions
         cols = tl.arange(0, BLOCK_D)  # [BD] head dimensions
@@ -110,10 +143,8 @@ def _kernel(interpret: bool):
     return turn_kernel
 
 
-def launch(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor, transpose: bool) -> torch.Tensor:
-    """One kernel launch: y [..., L, d] (x's layout where it is dense) from x [..., L, d] and C, S [L, d]."""
-    import triton
-
+def _operand(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """(y, the kernel's arguments for one operand): y [..., L, d] in x's layout where x is dense."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     C = C if C.stride(-1) == 1 else C.contiguous()
@@ -122,11 +153,21 @@ def launch(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor, transpose: bool) -
     x4, y4 = x, y
     while x4.dim() < 4:
         x4, y4 = x4.unsqueeze(0), y4.unsqueeze(0)  # [B, H, L, d]
-    B, H, L, D = x4.shape
+    B, H, L, _ = x4.shape
+    return y, [x4, C, S, y4, B * H, H, L, x4.stride(0), x4.stride(1), x4.stride(2), y4.stride(0), y4.stride(1),
+               y4.stride(2), C.stride(0), S.stride(0)]
+
+
+def launch(ops: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], transpose: bool) -> list[torch.Tensor]:
+    """One kernel launch for one or two operands (x [..., L, d], C [L, d], S [L, d]) of one head size: their y."""
+    import triton
+
+    outs, args = zip(*(_operand(*op) for op in ops))
+    D = ops[0][0].shape[-1]
     BLOCK_D = triton.next_power_of_2(D)
-    BLOCK_L = max(1, min(triton.next_power_of_2(L), 4096 // BLOCK_D))
-    grid = (B * H, triton.cdiv(L, BLOCK_L))
-    _kernel(interpreting() and not x.is_cuda)[grid](
-        x4, C, S, y4, H, L, D, x4.stride(0), x4.stride(1), x4.stride(2), y4.stride(0), y4.stride(1), y4.stride(2),
-        C.stride(0), S.stride(0), TRANSPOSE=transpose, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, num_warps=4)
-    return y
+    BLOCK_L = max(1, min(triton.next_power_of_2(max(a[6] for a in args)), 4096 // BLOCK_D))
+    grid = (max(a[4] for a in args), triton.cdiv(max(a[6] for a in args), BLOCK_L), len(args))
+    second = args[1] if len(args) > 1 else args[0]  # one operand: the second set is never read (grid z = 1)
+    _kernel(interpreting() and not ops[0][0].is_cuda)[grid](
+        *args[0], *second, D, TRANSPOSE=transpose, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, num_warps=4)
+    return list(outs)

@@ -33,7 +33,7 @@ import torch
 from .base import SchemeError
 from .registry import register
 from .rotary import Rotary
-from .turn import turn
+from .turn import turn_pair
 
 FLOAT_RANGE = 1e30  # zeta^(±n/scale_base) stays within [1/FLOAT_RANGE, FLOAT_RANGE] (fp32/bf16 reach 3e38)
 HALF_RANGE = 6e4  # float16 (CUDA autocast) reaches 65504
@@ -131,7 +131,7 @@ class XPos(Rotary):
             raise SchemeError(f"xpos needs an even head dimension, got {d}; change model.dim or heads")
         Cq, Sq, _, _ = self._xpos_rows(q_pos, d, q.dtype)
         _, _, Ck, Sk = self._xpos_rows(k_pos, d, k.dtype)
-        return turn(q, Cq, Sq), turn(k, Ck, Sk)  # [..., L, d] each: rotary's rotation (.turn)
+        return turn_pair(q, k, Cq, Sq, Ck, Sk)  # [..., L, d] each: rotary's rotation, one kernel for both (.turn)
 
     def options(self):
         return {"base": self.base, "scale_base": self.scale_base, "gamma": self.gamma, "center": self.center}
