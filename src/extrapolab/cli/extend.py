@@ -13,7 +13,7 @@ import typer
 from .common import DeviceOpt, DtypeOpt, friendly, run_study
 
 PRESET_HELP = ("extend-smoke (seconds) | extend-quick (default, ~1.8 h on 2 idle cores) | "
-               "extend-standard (~2.7 h) | extend-gpu | YAML file")
+               "extend-standard (2 h 43 min) | extend-gpu | YAML file")
 
 
 def extend_study(model: str, preset: Optional[str], out: Optional[Path], set_: Optional[List[str]], device: str,
