@@ -64,7 +64,7 @@ def fused_applies(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> bool:
 def turn(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """x * C + swap(x) * S for x [..., L, d] and C, S [L, d]: one fused kernel where it runs, else eager."""
     if fused_applies(x, C, S):
-        return _Turn.apply(x, C, S)
+        return _Turns.apply(x, C, S)[0]
     return eager(x, C, S)
 
 
@@ -72,37 +72,27 @@ def turn_pair(q: torch.Tensor, k: torch.Tensor, Cq, Sq, Ck, Sk) -> tuple[torch.T
     """:func:`turn` of q by (Cq, Sq) and of k by (Ck, Sk): both in one kernel launch forward and one backward where
     the kernel runs for both (a layer's rotation: each launch costs the host more than the GPU's work here)."""
     if q.dtype == k.dtype and q.shape[-1] == k.shape[-1] and fused_applies(q, Cq, Sq) and fused_applies(k, Ck, Sk):
-        return _TurnPair.apply(q, k, Cq, Sq, Ck, Sk)
+        return _Turns.apply(q, Cq, Sq, k, Ck, Sk)
     return turn(q, Cq, Sq), turn(k, Ck, Sk)
 
 
-class _Turn(torch.autograd.Function):
+class _Turns(torch.autograd.Function):
+    """One or two operands, flat (x, C, S[, x, C, S]): one launch forward, one backward for the x that need it."""
+
     @staticmethod
-    def forward(ctx, x, C, S):
-        ctx.save_for_backward(C, S)
-        return launch([(x, C, S)], transpose=False)[0]
+    def forward(ctx, *flat):
+        ops = [flat[i:i + 3] for i in range(0, len(flat), 3)]
+        ctx.save_for_backward(*(t for _, C, S in ops for t in (C, S)))
+        return tuple(launch(ops, transpose=False))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        C, S = ctx.saved_tensors
-        return launch([(g, C, S)], transpose=True)[0], None, None
-
-
-class _TurnPair(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, Cq, Sq, Ck, Sk):
-        ctx.save_for_backward(Cq, Sq, Ck, Sk)
-        return tuple(launch([(q, Cq, Sq), (k, Ck, Sk)], transpose=False))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gq, gk):
-        Cq, Sq, Ck, Sk = ctx.saved_tensors
-        want = [g is not None and ctx.needs_input_grad[i] for i, g in enumerate((gq, gk))]  # q's, k's gradient
-        todo = [op for op, w in zip(((gq, Cq, Sq), (gk, Ck, Sk)), want) if w]
+    def backward(ctx, *grads):
+        tables = ctx.saved_tensors  # C, S of each operand
+        want = [g is not None and ctx.needs_input_grad[3 * i] for i, g in enumerate(grads)]
+        todo = [(g, tables[2 * i], tables[2 * i + 1]) for i, g in enumerate(grads) if want[i]]
         out = iter(launch(todo, transpose=True) if todo else ())
-        return (next(out) if want[0] else None, next(out) if want[1] else None, None, None, None, None)
+        return tuple(t for w in want for t in (next(out) if w else None, None, None))
 
 
 @functools.cache
