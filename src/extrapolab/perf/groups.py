@@ -76,6 +76,13 @@ def window_limited(model: GPT, L: int) -> bool:
     return bool(torch.isinf(b).any())
 
 
+def train_batch(ctx: Context, L: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(B, x, y) of the train rows at L_tr = L: ``batch`` or batch_tokens // L sequences, seeded by L, on the device."""
+    B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+    idx = torch.randint(0, ctx.cfg.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(L))
+    return B, idx[:, :-1].to(ctx.device), idx[:, 1:].to(ctx.device)  # [B, L] each
+
+
 def train_jobs(ctx: Context, m: GPT, x, y, parts, B, L, max_position: int = 0) -> dict[str, Callable]:
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
     draws = randomized.PositionSampler(max_position) if max_position else None  # as the trainer draws them
@@ -113,10 +120,8 @@ def _measured(times: dict, beside: dict, label: str, parts) -> dict:
 def bench_train(ctx: Context) -> dict:
     out, parts = {}, tuple(ctx.opts.get("parts", ("step_s", "fwd_s", "attn_s")))
     for L in ctx.opts["lengths_train"]:
-        B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+        B, x, y = train_batch(ctx, L)
         ctx.say(f"train L_tr={L}, batch {B}: {len(ctx.specs)} schemes x ({ctx.warmup} warm-up + {ctx.rounds} rounds)")
-        idx = torch.randint(0, ctx.cfg.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(L))
-        x, y = idx[:, :-1].to(ctx.device), idx[:, 1:].to(ctx.device)  # [B, L] each
         jobs, models = {}, {}
         seen = {}
         for s in ctx.specs:

@@ -20,7 +20,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from .context import Context, build_model
-from .groups import train_jobs
+from .groups import train_batch, train_jobs
 from .timing import sync, timed
 
 #: kernels (operators on the CPU) listed per row, most time first
@@ -54,11 +54,9 @@ def bench_profile(ctx: Context) -> dict:
     """{L_tr: {label: summary}}: one profiled train step per scheme after the row's warm-up (at least one step)."""
     out = {}
     for L in ctx.opts["lengths_train"]:
-        B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+        B, x, y = train_batch(ctx, L)
         ctx.say(f"profile L_tr={L}, batch {B}: {len(ctx.specs)} schemes x ({max(1, ctx.warmup)} warm-up, 3 timed "
                 "and 1 profiled step)")
-        idx = torch.randint(0, ctx.cfg.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(L))
-        x, y = idx[:, :-1].to(ctx.device), idx[:, 1:].to(ctx.device)  # [B, L] each
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
         rows = {}
         for s in ctx.specs:

@@ -7,9 +7,9 @@ Rotate each pair (2i, 2i+1) of q and k by angle m·theta_i, theta_i = base^(-2i/
 
 written as ``x * C + swap(x) * S`` with C = [cos, cos] and S = [-sin, +sin] interleaved per pair and
 swap(x) exchanging the two members of each pair (:mod:`.turn`: eager, one copy and two fused multiplies;
-on CUDA one Triton kernel forward and one backward), no complex numbers, no half-size strided slices. C and S are cached per (d_head, device, dtype, scale
-key), built in float64 then cast (long positions keep their precision), grown by doubling and
-dropped on ``.to()``; one forward gathers its rows once and reuses them for q, k and every layer.
+on CUDA one Triton kernel forward and one backward), no complex numbers, no half-size strided slices. C and
+S are cached per (d_head, device, dtype, scale key), built in float64 then cast (long positions keep their
+precision), grown by doubling and dropped on ``.to()``; one forward gathers its rows once and reuses them for q, k and every layer.
 
 The RoPE context-extension family (:mod:`.rope_pi`, :mod:`.rope_ntk`, :mod:`.rope_dynamic_ntk`,
 :mod:`.rope_yarn`) subclasses :class:`Rotary` and overrides only ``inv_freq`` (the frequencies
