@@ -1,6 +1,7 @@
 """Spies shared by the FlexAttention tests (CPU and gpu): did torch's eager dense FlexAttention run, and
 how many host-device synchronisations did a forward make (with the kernel stubbed)?"""
 import importlib
+from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -42,10 +43,15 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True):
+def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True, return_aux=None,
+                return_lse=False):
     # touch what the compiled kernel would read, without running FlexAttention under the mode
     assert block_mask is not None and callable(score_mod)
-    return torch.zeros_like(q)
+    out = torch.zeros_like(q)
+    if return_aux is not None or return_lse:  # a learnable table's route asks for the log-sum-exp
+        lse = torch.zeros(q.shape[:3], device=q.device)
+        return (out, lse) if return_lse else (out, SimpleNamespace(lse=lse))
+    return out
 
 
 def gathers_per_tensor(score_mod, n_args: int = 5) -> dict[int, int]:

@@ -12,7 +12,7 @@ from extrapolab.io import UserError
 from extrapolab.model import flex
 from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
-from flexspy import eager_dense_calls, gathers_per_tensor, grad_mismatches
+from flexspy import eager_dense_calls, gathers_per_tensor, grad_mismatches, stub_kernel
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention")
 BIAS_SCHEMES = [n for n in positional.names()  # score-level schemes (DAPE) never take FlexAttention
@@ -118,7 +118,7 @@ def test_flex_selection_rules():
         for dev in ("cpu", "cuda"):
             path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, folded=folded, split=split, **kw)
             biased = s.has_bias or s.has_weight
-            # training (grad=True) a learnable table takes the dense mask's path, not flex's atomic gradient
+            # training (grad=True) a learnable table takes the dense mask's path (flex.AUTO_TABLE_GRAD is off)
             flexed = dev == "cuda" and flex.supported("cuda", 64, torch.float32) and not s.learnable
             want = ("flex" if flexed else "toeplitz") \
                 if biased else "twopass" if s.second_pass() is not None else "causal"  # Self-Extend / ReRoPE
@@ -151,18 +151,22 @@ def test_score_mods_index_each_gradient_requiring_capture_once(name, monkeypatch
     beyond L -- traced as FlexAttention traces it, indexes each such tensor at most once."""
     seen = []
 
-    def kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True):
+    def kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True, **kw):
         seen.append(gathers_per_tensor(score_mod))
-        return torch.zeros_like(q)
+        return stub_kernel(q, k, v, score_mod, block_mask, scale, gather, **kw)
 
     monkeypatch.setattr(flex, "kernel", lambda device: kernel)
+    monkeypatch.setattr(flex.table_grad, "attach", lambda out, *a, **kw: out)  # CPU: no gradient into layer 2's q
     torch.manual_seed(0)
     m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=64, heads=4, layers=2, train_length=32))
     for n, p in m.named_parameters():  # CPU FlexAttention: scheme gradients only, q/k/v need none
         p.requires_grad_(n.startswith("scheme."))
     m(torch.randint(0, 64, (1, 96)), opts=AttnOptions(impl="flex"))  # FIRE: L = 32, most rows beyond it
     assert seen and all(c <= 1 for counts in seen for c in counts.values()), (name, seen)
-    assert any(seen) == m.scheme.learnable, (name, seen)  # the spy saw the learnable captures
+    # the spy saw the learnable captures; a learnable table (no weight kernel) is read detached, its gradient
+    # from model/table_grad.py: no capture needs one (FIRE's rows beyond L still capture its MLP)
+    detached = flex.tracks_table(m.scheme) and not m.scheme.has_flex_bias
+    assert any(seen) == (m.scheme.learnable and not detached), (name, seen)
 
 
 def test_gather_spy_sees_a_second_index_of_one_tensor():
@@ -248,6 +252,8 @@ def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, monkeypatch):
     path's own bf16 error against fp32 (plus 1e-3)."""
     dense = eager_dense_calls(monkeypatch)
     calls = _flex_calls(monkeypatch)
+    launched, real = [], flex.table_grad._launch  # a learnable table's gradient: the Triton kernel, never atomics
+    monkeypatch.setattr(flex.table_grad, "_launch", lambda *a: launched.append(1) or real(*a))
     m = _gpt(name)
     for L in (100, 300):
         idx = torch.randint(0, 64, (2, L), device="cuda", generator=torch.Generator("cuda").manual_seed(L))
@@ -267,6 +273,8 @@ def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, monkeypatch):
             assert not bad, (name, L, bad)
     assert dense == [], "torch's eager dense FlexAttention ran"
     assert not flex.kernel("cuda").full
+    if flex.tracks_table(m.scheme) and not m.scheme.has_flex_bias:
+        assert launched and not flex.table_grad._FAILED, name
 
 
 @pytest.mark.gpu

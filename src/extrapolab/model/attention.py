@@ -181,11 +181,15 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
         return "folded", fold_block(opts.block_size, blocked)
     if sinks:  # the Toeplitz, flex and split kernels have no sink column: each block's dense mask with it
         return "fallback", block
-    def take_flex() -> bool:  # asked for, or `auto` where it pays; never with input gradients on the CPU
+    def take_flex(table: bool = True) -> bool:
+        """Asked for, or `auto` where it pays; never with input gradients on the CPU. `auto` trains learnable
+        tables on the dense mask's path (T5 1.31x NoPE's step on an H100, flex 2.98x with its own atomic gradient);
+        with ``flex.AUTO_TABLE_GRAD`` a distance table (``table``) takes flex, its gradient from table_grad."""
         if not (impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype))):
             return False
-        if impl == "auto" and grad and scheme.learnable:  # training a table: flex's gradient is one atomic add per
-            return False  # score element (16.5x bias-free attention on an H100): the dense mask's path instead
+        if impl == "auto" and grad and scheme.learnable and not (
+                table and flex.AUTO_TABLE_GRAD and flex.tracks_table(scheme)):
+            return False
         if device == "cpu" and grad:
             raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
                             "use impl='auto' on CPU or run on CUDA")
@@ -196,7 +200,7 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
             return "flex", None
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
-    if plain and split is not None and scheme.has_flex_bias and take_flex():  # the scheme's own score_mod
+    if plain and split is not None and scheme.has_flex_bias and take_flex(table=False):  # the scheme's own score_mod
         return "flex", None
     if plain and split is not None:  # queries up to T (if any) on the Toeplitz path, the rest in row blocks
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)

@@ -49,7 +49,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import flex_tiles
+from . import flex_tiles, table_grad
 from .reference import divide_finite
 from .tables import DistanceBias
 
@@ -62,6 +62,14 @@ RECOMPILE_LIMIT = 64
 #: length costs more than it saves; smoke runs (L = 32) and the regular-language tasks (a random
 #: length per step) then never compile
 MIN_LENGTH = 512
+#: learnable distance tables on this path train with their gradient from :mod:`.table_grad` (the flex kernel reads
+#: them detached: no atomics); False: FlexAttention's own gradient, one fp32 atomic add per score element (T5 2.98x
+#: NoPE's train step on an H100, docs/results/gpu-h100.md)
+TABLE_GRAD = True
+#: the automatic rule trains learnable tables here too (else on the Toeplitz path's dense mask, 1.31x for T5 on that
+#: H100). Off until a GPU times the two side by side (gpu-check's t5@flex rows): that run's flex forward+backward
+#: with a gathered table and no gradient (Qin, 1.45x) was already slower than the dense mask with one
+AUTO_TABLE_GRAD = False
 MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks(seq_lengths=...) and the CPU template used here
 _COMPILED: list = []  # the compiled kernel, made on first CUDA use
 
@@ -345,9 +353,28 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
         if tau_h is not None:
             slopes = slopes / tau_h.reshape(-1).to(slopes)
         mod = score_mod_alibi(slopes.expand(H).contiguous(), off, inv_tau)
+    elif tracks_table(scheme) and bias.requires_grad and torch.is_grad_enabled():
+        mod = score_mod_for(bias.detach(), weight, off, inv_tau)  # no captured gradient: no atomics in flex
+        out, lse = with_lse(kernel(dev.type), q, k, v, gather=True, score_mod=mod, block_mask=bm, scale=scale)
+        return table_grad.attach(out, lse, q, k, v, bias, off=a - c, scale=scale, inv_tau=1.0 / tau, window=window)
     else:
         mod = score_mod_for(bias, weight, off, inv_tau)
     return kernel(dev.type)(q, k, v, gather=form == "table", score_mod=mod, block_mask=bm, scale=scale)
+
+
+def tracks_table(scheme) -> bool:
+    """A learnable additive table (no multiplicative kernel) trains with :mod:`.table_grad`'s gradient."""
+    return TABLE_GRAD and scheme.learnable and not scheme.has_weight
+
+
+def with_lse(fn, q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse [B, H, Lq] natural log) from flex_attention (``return_aux`` from torch 2.9, ``return_lse`` before)."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return fn(q, k, v, return_lse=True, **kw)
+    out, aux = fn(q, k, v, return_aux=AuxRequest(lse=True), **kw)
+    return out, aux.lse
 
 
 def _kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):
