@@ -40,7 +40,18 @@ class CountSyncs(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if name in SYNC_OPS:
             self.calls.append(name)
+        elif name in BOOL_INDEX_OPS and _bool_index(args):  # x[mask]: the kernel runs nonzero() inside, unseen
+            self.calls.append(name + "(bool mask)")
         return func(*args, **(kwargs or {}))
+
+
+#: ops whose boolean-mask index is expanded by a nonzero() inside the kernel (a sync no dispatch mode sees)
+BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+def _bool_index(args) -> bool:
+    idx = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in idx)
 
 
 def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True, return_aux=None,

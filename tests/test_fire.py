@@ -13,6 +13,7 @@ from extrapolab.model import split, tables
 from extrapolab.model.attention import AttnOptions, attend
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.model.toeplitz import HankelSDPA
+from extrapolab.positional import fire as fire_mod
 from extrapolab.positional.base import SchemeError
 from fire_ref import dense as _dense, fire as _fire, official_fire as _official_fire
 
@@ -49,9 +50,20 @@ def test_fire_starts_as_the_reproduction_and_the_model_init_leaves_it():
         m.scheme.bias(torch.arange(3), torch.arange(3), 5)
 
 
-def test_pieces_are_the_mlp_with_its_gradients():
+@pytest.mark.parametrize("one_pass", [True, False], ids=["all-heads", "head-by-head"])
+@pytest.mark.parametrize("dead", [False, True], ids=["", "units-with-w1-0"])
+def test_pieces_are_the_mlp_with_its_gradients(one_pass, dead, monkeypatch):
+    """The linear pieces equal the MLP as written, with every parameter's gradient: all heads at once (a distance
+    table) or head by head (large inputs), and with units whose w1 is 0 (never switching: breakpoint +inf)."""
+    monkeypatch.setattr(fire_mod, "_ONE_PASS", 1 << 22 if one_pass else 0)
     s = _fire()
+    if dead:
+        with torch.no_grad():
+            s.w1[1, :4] = 0
+            s.b1[1, :4] = torch.tensor([0.3, -0.2, 0.7, -1.0], dtype=s.b1.dtype)  # two always on, two always off
     t, _, _ = s.pieces(1)
+    assert t.numel() == s.width and int(torch.isinf(t).sum()) == (4 if dead else 0)
+    t = t[torch.isfinite(t)]  # +inf: a unit with w1 = 0 never switches
     x = torch.cat([torch.rand(200, dtype=torch.float64) * 3 - 1, t]).requires_grad_()  # breakpoints included
     a, b = s.piecewise(x, 1), s.mlp(x, 1)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

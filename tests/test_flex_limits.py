@@ -136,13 +136,19 @@ def test_training_step_has_no_host_device_sync_per_layer(name):
 
 
 def test_sync_counter_sees_the_syncs_it_must_catch():
-    """The counter is not blind: int() of a tensor and torch.tensor from host data are counted."""
+    """The counter is not blind: int() of a tensor, torch.tensor from host data and a boolean-mask index (its
+    nonzero() runs inside the index kernel, where no dispatch mode sees it) are counted."""
     with CountSyncs() as c:
         x = torch.arange(5)
         int(x.sum())
         torch.tensor(3)
         bool(torch.equal(x, x))
     assert {"_local_scalar_dense", "equal"} <= set(c.calls) and any(n.startswith("lift_fresh") for n in c.calls)
+    with CountSyncs() as c:
+        x[x > 2]
+        x[x > 2] = 0
+        x[torch.tensor([0, 1])]  # an integer index: no sync
+    assert [n for n in c.calls if "bool" in n] == ["index(bool mask)", "index_put_(bool mask)"], c.calls
 
 
 def test_eager_dense_spy_sees_eager_flex_attention(monkeypatch):

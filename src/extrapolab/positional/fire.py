@@ -47,6 +47,10 @@ from torch import nn
 from .base import RelativeBias, SchemeError, causal_distance, flex_copies
 from .registry import register
 
+#: heads x inputs up to which :meth:`FIRE.piecewise` evaluates every head at once (a distance table; 16 MiB of fp32);
+#: larger inputs (dense blocks) go head by head, bounding the temporaries to one head's
+_ONE_PASS = 1 << 22
+
 
 @register
 class FIRE(RelativeBias):
@@ -118,17 +122,17 @@ class FIRE(RelativeBias):
 
     def pieces(self, layer: int = 0):
         """f_θ as linear pieces: (breakpoints t [K] sorted, α [H, K+1], β [H, K+1]) with f(x) = α_s + β_s·x
-        for s = #{k : t_k < x}; t = -b1/w1 of the units with w1 != 0 (where a ReLU switches). α and β keep
-        their graph to the MLP's parameters (which units are active on a piece is a detached choice)."""
+        for s = #{k : t_k < x}; t = -b1/w1 where each unit's ReLU switches, +inf for a unit with w1 = 0 (it never
+        does: K = width always, so no boolean-mask selection, which would read its count back to the host in
+        every layer on a GPU). α and β keep their graph to the MLP's parameters (which units are active on a piece
+        is a detached choice)."""
         g = self._g(layer)
         w1, b1, w2, b2 = self.w1[g], self.b1[g], self.w2[g], self.b2[g]
-        nz = w1.detach() != 0
-        t = (-b1.detach()[nz] / w1.detach()[nz]).sort().values  # [K]
-        if t.numel():
-            mids = torch.cat([t[:1] - 1, (t[1:] + t[:-1]) / 2, t[-1:] + 1])  # [K+1] a point inside each piece
-        else:
-            mids = torch.zeros(1, dtype=w1.dtype, device=w1.device)
-        active = ((mids[:, None] * w1.detach() + b1.detach()) > 0).to(w1.dtype)  # [K+1, W]
+        w1d, b1d = w1.detach(), b1.detach()
+        nz = w1d != 0
+        t = torch.where(nz, -b1d / torch.where(nz, w1d, 1.0), torch.inf).sort().values  # [K]
+        mids = torch.cat([t[:1] - 1, (t[1:] + t[:-1]) / 2, t[-1:] + 1])  # [K+1] a point inside each piece (or +inf)
+        active = torch.where(nz, mids[:, None] * w1d + b1d > 0, b1d > 0).to(w1.dtype)  # [K+1, W]
         alpha = b2[:, None] + (w2 * b1) @ active.T  # [H, K+1]
         beta = (w2 * w1) @ active.T  # [H, K+1]
         return t, alpha, beta
@@ -140,6 +144,8 @@ class FIRE(RelativeBias):
         s = torch.bucketize(x.detach().contiguous(), t.to(x.dtype).contiguous(), out_int32=True).reshape(-1)  # [N]
         flat = x.reshape(-1)
         alpha, beta = alpha.to(x.dtype), beta.to(x.dtype)
+        if self.num_heads * flat.numel() <= _ONE_PASS:  # a distance table: all heads in three kernels
+            return torch.addcmul(alpha.index_select(1, s), beta.index_select(1, s), flat).view(self.num_heads, *x.shape)
         if torch.is_grad_enabled() and (x.requires_grad or alpha.requires_grad):
             out = [torch.addcmul(alpha[h].index_select(0, s), beta[h].index_select(0, s), flat)
                    for h in range(self.num_heads)]
