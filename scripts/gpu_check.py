@@ -149,7 +149,7 @@ def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
                      str(out / "demo"), *dev, "--set", "sweep.schemes=[none,alibi]", "--set", "sweep.reference=alibi",
                      "--set", "sweep.time_budget_s=0", "--set", f"train.steps={20 if dry else 300}",
                      "--set", "eval.protocols=[nonoverlapping]"], {})
-    profiled = ("rotary",) if dry else ("rotary", "xpos", "nope-headscale", "alibi", "qin-type1", "t5", "fox", "fire")
+    profiled = ("rotary",) if dry else ("rotary", "xpos", "nope-headscale", "alibi", "qin-type1", "t5", "t5@flex", "fox", "fire")
     cmds["profile"] = (bench + ["--schemes", ",".join(profiled), "--groups", "profile", "--out",
                                 str(out / "profile.json")], {})
     cmds["torchrun"] = ([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
