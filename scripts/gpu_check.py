@@ -34,11 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: the bench's schemes in chunks, one process each (NoPE timed next to every row in each): a compile that is slow
 #: or a process that dies costs one chunk, not the table. @flex: training a learnable table on FlexAttention with the
 #: table read detached and its gradient from model/table_grad.py's kernel, beside the automatic rule's dense mask
-#: (memory-efficient SDPA): the A/B behind flex.AUTO_TABLE_GRAD (T5, KERPLE, FIRE at its training length);
-#: qin-type1@sdpa: a parameter-free table on that dense mask beside its automatic flex path (the A/B for the rule there)
+#: (memory-efficient SDPA): the A/B behind flex.AUTO_TABLE_GRAD (T5, KERPLE, FIRE at its training length); fox@flex:
+#: FoX's positions from content in FlexAttention's score_mod (model/flex_content.py) beside its folded path (the A/B
+#: behind flex.AUTO_CONTENT); qin-type1@sdpa: a parameter-free table on the dense mask beside its automatic flex path
 TRAIN_CHUNKS = {"a1": ("rotary", "xpos", "hybrid", "nope-headscale"), "a2": ("alibi", "sandwich", "windowed"),
                 "b1": ("qin-type1", "kerple-log", "t5"), "b2": ("fox", "fire"),
-                "c": ("t5@flex", "kerple-log@flex", "fire@flex", "qin-type1@sdpa")}
+                "c": ("t5@flex", "kerple-log@flex", "fire@flex", "fox@flex", "qin-type1@sdpa")}
 LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"], "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"]}
 SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: stage -> seconds it may take, from the first run on a bare H100 machine (torch 2.11; docs/results/gpu-h100.md):
@@ -47,7 +48,7 @@ SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: minutes, over the 8 hoped for: on a machine whose commands stop at 10 minutes, run it as two commands
 #: (--stages). A stage past its limit keeps what it wrote (see _stage).
 LIMITS = {"pytest": 200, "bench-train-a1": 40, "bench-train-a2": 90, "bench-train-b1": 70, "bench-train-b2": 60,
-          "bench-train-c": 80, "bench-long-a": 120, "bench-long-b": 180, "demo": 60, "profile": 90, "torchrun": 30}
+          "bench-train-c": 95, "bench-long-a": 120, "bench-long-b": 180, "demo": 60, "profile": 90, "torchrun": 30}
 
 
 def _env() -> dict:
@@ -149,7 +150,8 @@ def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
                      str(out / "demo"), *dev, "--set", "sweep.schemes=[none,alibi]", "--set", "sweep.reference=alibi",
                      "--set", "sweep.time_budget_s=0", "--set", f"train.steps={20 if dry else 300}",
                      "--set", "eval.protocols=[nonoverlapping]"], {})
-    profiled = ("rotary",) if dry else ("rotary", "xpos", "nope-headscale", "alibi", "qin-type1", "t5", "t5@flex", "fox", "fire")
+    profiled = ("rotary",) if dry else ("rotary", "xpos", "nope-headscale", "alibi", "qin-type1", "t5", "t5@flex",
+                                         "fox", "fox@flex", "fire")
     cmds["profile"] = (bench + ["--schemes", ",".join(profiled), "--groups", "profile", "--out",
                                 str(out / "profile.json")], {})
     cmds["torchrun"] = ([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from ..io import UserError
 from ..positional.base import PositionalScheme
 from . import flex
+from .flex_content import flex_content_path
 from .folded import fold_block, folded_attention, token_positions
 from .reference import LogitsSink, dense_attention, row_tau, sink_rows
 from .sinks import sink_sdpa
@@ -137,7 +138,8 @@ def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
 
 def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
                 same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32,
-                folded: bool = False, tau_rows: bool = False, split: int | None = None, sinks: bool = False):
+                folded: bool = False, tau_rows: bool = False, split: int | None = None, sinks: bool = False,
+                same_keys: bool = False):
     """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
     q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
@@ -148,7 +150,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     the distance table; ``sinks``: the layer has attention sinks (model.sinks), which the reference, causal,
     folded and fallback paths carry and the two-pass, Toeplitz, flex and split paths do not (such calls take
     the reference path, the folded path for the ALiBi form, or the fallback). Schemes with positions from
-    content (``has_content``) never take the causal or Toeplitz paths.
+    content (``has_content``) never take the causal or Toeplitz paths; ``same_keys``: the queries are the keys
+    (a whole sequence), where such a scheme may take FlexAttention (``flex-content``).
     """
     _, H, Lq, D = q_shape
     impl = opts.impl
@@ -177,30 +180,37 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     a, c = starts
     plain = not dense_bias and a is not None and c is not None and c <= a and not content and not tau_rows
     toeplitz = plain and (is_toeplitz(scheme, allow_weight=True) or (split is not None and split >= Lq))
-    if folded and not dense_bias and (content or tau_rows or not toeplitz or sinks):
-        return "folded", fold_block(opts.block_size, blocked)
-    if sinks:  # the Toeplitz, flex and split kernels have no sink column: each block's dense mask with it
-        return "fallback", block
-    def take_flex(table: bool = True) -> bool:
-        """Asked for, or `auto` where it pays; never with input gradients on the CPU. `auto` trains learnable
-        tables on the dense mask's path (T5 1.31x NoPE's step on an H100, flex 2.98x with its own atomic gradient);
-        with ``flex.AUTO_TABLE_GRAD`` a distance table (``table``) takes flex, its gradient from table_grad."""
+
+    def take_flex(kind: str = "table") -> bool:
+        """Asked for, or `auto` where it pays; never with input gradients on the CPU. ``kind``: "table" (a distance
+        table), "rows" (FIRE's own term beyond L) or "content" (FoX). `auto` trains learnable tables on the dense
+        mask's path (T5 1.31x NoPE's step on an H100, flex 2.98x with its own atomic gradient) unless
+        ``flex.AUTO_TABLE_GRAD`` (a distance table read detached, its gradient from table_grad), and content
+        positions on the folded path unless ``flex.AUTO_CONTENT`` (their gradient from flex_content)."""
         if not (impl == "flex" or (impl == "auto" and not bias_free and flex.pays(device, Lq, Lk, D, dtype))):
             return False
-        if impl == "auto" and grad and scheme.learnable and not (
-                table and flex.AUTO_TABLE_GRAD and flex.tracks_table(scheme)):
+        if impl == "auto" and kind == "content" and not flex.AUTO_CONTENT:
+            return False
+        if impl == "auto" and grad and scheme.learnable and kind != "content" and not (
+                kind == "table" and flex.AUTO_TABLE_GRAD and flex.tracks_table(scheme)):
             return False
         if device == "cpu" and grad:
             raise UserError("impl='flex' on CPU has no backward in torch (FlexAttention); "
                             "use impl='auto' on CPU or run on CUDA")
         return True
 
+    if folded and not dense_bias and (content or tau_rows or not toeplitz or sinks):
+        if content and same_keys and not tau_rows and not sinks and not blocked and take_flex("content"):
+            return "flex-content", None  # the key term in FlexAttention's score_mod
+        return "folded", fold_block(opts.block_size, blocked)
+    if sinks:  # the Toeplitz, flex and split kernels have no sink column: each block's dense mask with it
+        return "fallback", block
     if toeplitz:
         if take_flex():
             return "flex", None
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
         return "toeplitz", (tb if blocked or (impl == "auto" and Lq > tb) else None)
-    if plain and split is not None and scheme.has_flex_bias and take_flex(table=False):  # the scheme's own score_mod
+    if plain and split is not None and scheme.has_flex_bias and take_flex("rows"):  # the scheme's own score_mod
         return "flex", None
     if plain and split is not None:  # queries up to T (if any) on the Toeplitz path, the rest in row blocks
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
@@ -294,7 +304,8 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
         split = max(0, min(Lq, math.floor(db.toeplitz_rows(layer)) - starts[0] + 1))  # queries at a.. <= T
     path, block = select_path(q.device.type, scheme, opts, q.shape, Lk, same_pos=same and bias_free,
                               starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype,
-                              folded=folded, tau_rows=tau_rows, split=split, sinks=sinks is not None)
+                              folded=folded, tau_rows=tau_rows, split=split, sinks=sinks is not None,
+                              same_keys=same)
     if path == "causal":
         if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
             q = q / tau_s[..., None].to(q.dtype)
@@ -308,6 +319,15 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
         opts.ran(path)
         return twopass_attention(q, k, v, q_pos, k_pos, scheme, layer, starts, scale=scale, tau=tau,
                                  window=opts.window, block=block), None
+    if path == "flex-content":  # FoX: positions from content as a FlexAttention score_mod (model/flex_content.py)
+        try:
+            c = content[1] * slopes.to(content[1].device, torch.float64).view(1, -1, 1)  # [B|1, H, Lk] s_h·p
+            out = flex_content_path(q, k, v, c, scale=base, tau=tau, window=opts.window, scheme=scheme)
+            opts.ran(path)
+            return out, None
+        except flex.Unavailable as why:  # never a traceback: the folded path
+            flex.warn_unavailable(q, k, scheme.learnable, why, "folded")
+            path, block = "folded", None
     if path == "folded":
         pq, pk = content if content is not None else (token_positions(q_pos), token_positions(k_pos))
         rows = None if tau_s is None else tau_s.expand(1, tau_s.shape[1], Lq)  # [1, H|1, Lq]

@@ -70,6 +70,10 @@ TABLE_GRAD = True
 #: H100). Off until a GPU times the two side by side (gpu-check's t5@flex rows): that run's flex forward+backward
 #: with a gathered table and no gradient (Qin, 1.45x) was already slower than the dense mask with one
 AUTO_TABLE_GRAD = False
+#: the automatic rule runs positions from content (FoX) on FlexAttention too, their gradient from
+#: :mod:`.flex_content`'s kernel (else the folded path: flash SDPA with extra head dimensions, FoX 1.81x NoPE's step
+#: on the H100). Off until a GPU times the two (gpu-check's fox@flex row)
+AUTO_CONTENT = False
 MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks(seq_lengths=...) and the CPU template used here
 _COMPILED: list = []  # the compiled kernel, made on first CUDA use
 

@@ -93,13 +93,19 @@ def table_gradient(q, k, v, out, lse, dout, table, off: int, scale: float, inv_t
         except Exception as err:  # noqa: BLE001 -- only Triton's own compile / resource errors are ours
             if not _triton_error(err):
                 raise
-            _FAILED.append(err)
-            warnings.warn(f"the table-gradient kernel did not compile ({type(err).__name__}); learnable tables' "
-                          "gradients on the flex path use PyTorch tiles from now on (same values, slower)",
-                          RuntimeWarning, stacklevel=2)
+            failed(err)
     if tiles is None:
         tiles = _tiles_torch(*args)  # [H, nδ, block, block]
     return _diagonals(tiles, off, dmin, n, block).to(table.dtype)
+
+
+def failed(err: Exception) -> None:
+    """A gradient kernel (this module's or :mod:`.flex_content`'s) did not compile: one warning, and the PyTorch
+    tiles for every later call of either (same values, slower)."""
+    _FAILED.append(err)
+    warnings.warn(f"a gradient kernel beside FlexAttention did not compile ({type(err).__name__}); learnable tables' "
+                  "and content positions' gradients on the flex path use PyTorch tiles from now on (same values, "
+                  "slower)", RuntimeWarning, stacklevel=3)
 
 
 def _triton_error(err: Exception) -> bool:
@@ -232,7 +238,7 @@ def _kernel(interpret: bool):
                 s = tl.dot(q, tl.trans(kt)) * scale  # [BM, BN], fp32
                 logit = (s + bias) * inv_tau
                 ok = vis & rm[:, None] & km[None, :] & (lse[:, None] > float("-inf"))
-                P = tl.where(ok, tl.exp(logit - lse[:, None]), 0.0)
+                P = tl.exp(tl.where(ok, logit - lse[:, None], float("-inf")))  # 0 where masked, no overflow
                 dp = tl.dot(do, tl.trans(vt))  # [BM, BN], fp32
                 acc += P * (dp - dl[:, None])
             Qb, Kb, Vb, Ob, Lb, Db = Qb + sqb, Kb + skb, Vb + svb, Ob + sob, Lb + slb, Db + sdb
