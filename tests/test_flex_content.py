@@ -168,3 +168,29 @@ def test_cuda_fox_trains_through_flex_content_like_the_plain_path(dtype, monkeyp
         bad = grad_mismatches(got, ref, 1e-4 if low is None else 1e-3, dtype, low)
         assert not bad, (L, bad)
     assert launched and not table_grad._FAILED
+
+
+@pytest.mark.slow
+def test_compiled_kernel_lowers_the_content_score_mod(monkeypatch):
+    """The compiled kernel CUDA uses, on the CPU (inductor's forward template): FoX's score_mod, which indexes
+    captured [B, H, L] vectors by batch, head, query and key, lowers and equals the plain path; a new layer's gates
+    and a temperature reuse the graph (captured tensors and 0-d values, not constants). ~25 s on 2 cores."""
+    from torch._dynamo.utils import counters
+
+    compiled = flex.Compiled()
+    monkeypatch.setattr(flex, "kernel", lambda device: compiled)
+    s = _fox()
+    q, k, v = (torch.randn(2, 3, 256, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    x = torch.randn(2, 256, 16, generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(256)
+    graphs = []
+    with torch.no_grad():
+        for layer, tau in ((1, 1.0), (0, 0.7)):
+            p = s.content_positions(x, layer)
+            ran = {}
+            got, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(impl="flex", temperature=tau, paths=ran),
+                            content=(p, p))
+            ref, _ = attend(q, k, v, pos, pos, s, layer, AttnOptions(impl="plain", temperature=tau), content=(p, p))
+            assert ran == {"flex-content": 1} and (got - ref).abs().max() < 2e-5, (layer, tau)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] and [e["status"] for e in compiled.events] == ["compiled"]
