@@ -69,7 +69,10 @@ class Rotary(PositionalScheme):
         if self.logn:
             self.relative = False  # the factor depends on the query's absolute position
         self._cs: dict = {}
-        self._rows: tuple | None = None  # (positions, key, cos, sin) of the last gather
+        #: (positions, key, version, cos, sin) of the last two gathers: q's and k's positions (two tensors when
+        #: decoding after a KV cache), each read once per forward instead of once per layer (a host sync on a GPU)
+        self._rows: list = []
+        self._len: tuple | None = None  # (q_pos, k_pos, versions, length) of the last length-dependent call
 
     # ---- the overridable steps ---------------------------------------------------------
     def inv_freq(self, d_head: int, length: int) -> torch.Tensor:
@@ -108,12 +111,11 @@ class Rotary(PositionalScheme):
 
     def cos_sin(self, positions: torch.Tensor, d_head: int, dtype, length: int | None = None):
         """Rows of (C, S) for ``positions`` [L] -> ([L, d_head], [L, d_head])."""
-        memo = self._rows
         key = (d_head, dtype, length, torch.is_inference_mode_enabled())
-        version = None if positions.is_inference() else positions._version  # inference tensors have none
-        if memo is not None and memo[0] is positions and memo[1] == key and version is not None \
-                and memo[2] == version:
-            return memo[3], memo[4]  # the same positions tensor again (k after q, the next layer)
+        version = _version(positions)
+        for memo in self._rows:
+            if memo[0] is positions and memo[1] == key and version is not None and memo[2] == version:
+                return memo[3], memo[4]  # the same positions tensor again (k after q, the next layer)
         n = int(positions.max()) + 1 if positions.numel() else 1
         C, S = self.tables(n, d_head, positions.device, dtype, length)
         L, p0 = positions.numel(), int(positions[0]) if positions.numel() else 0
@@ -121,13 +123,19 @@ class Rotary(PositionalScheme):
             c, s = C[p0:n], S[p0:n]  # p0..p0+L-1 in order (increasing integers): a view, no gather
         else:
             c, s = C[positions], S[positions]  # [L, d_head]
-        self._rows = (positions, key, version, c, s)
+        self._rows = [(positions, key, version, c, s)] + self._rows[:1]
         return c, s
 
     def _length(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int | None:
         if not self.length_dependent:
             return None
-        return max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0) + 1
+        versions = (_version(q_pos), _version(k_pos))
+        memo = self._len
+        if memo is not None and memo[0] is q_pos and memo[1] is k_pos and None not in versions and memo[2] == versions:
+            return memo[3]  # the next layer: the same positions, read once per forward
+        length = max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0) + 1
+        self._len = (q_pos, k_pos, versions, length)
+        return length
 
     # ---- the hook ----------------------------------------------------------------------
     def rotate(self, q, k, q_pos, k_pos):
@@ -151,7 +159,7 @@ class Rotary(PositionalScheme):
 
     def _apply(self, fn, *a, **kw):
         self._cs.clear()
-        self._rows = None
+        self._rows, self._len = [], None
         return super()._apply(fn, *a, **kw)
 
 
@@ -165,6 +173,11 @@ def check_factor(name: str, factor: float) -> float:
         raise SchemeError(f"{name} factor must be a finite number >= 1 (s = L_ex / L_tr), got {factor!r}; "
                           f"pass --set model.scheme_params.factor=4")
     return s
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's in-place version (None for inference tensors, which have none: never memoised)."""
+    return None if t.is_inference() else t._version
 
 
 def check_original_length(name: str, length: int) -> int:
