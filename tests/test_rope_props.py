@@ -133,7 +133,7 @@ def test_tables_are_cached_grown_by_doubling_and_dropped_on_to():
     assert C2.shape[0] == 512 and torch.equal(C2[:256], C)  # doubled, the old rows unchanged
     assert s.tables(10, D, "cpu", torch.float64)[0].dtype == torch.float64  # one table per dtype
     s.to(torch.float64)
-    assert s._cs == {} and s._rows is None
+    assert s._cs == {} and s._rows == [] and s._len is None
     d = P.build("rotary-dynamic", H, original_length=32)
     d.tables(10, D, "cpu", torch.float32, length=100)
     d.tables(10, D, "cpu", torch.float32, length=200)
