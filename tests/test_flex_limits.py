@@ -11,7 +11,7 @@ import torch
 from extrapolab import positional
 from extrapolab.model import flex
 from extrapolab.model.attention import AttnOptions, attend, select_path
-from extrapolab.model.gpt import GPT, ModelConfig
+from extrapolab.model.gpt import GPT, KVCache, ModelConfig
 
 from flexspy import CountSyncs, eager_dense_calls, stub_kernel
 
@@ -191,3 +191,24 @@ def test_cuda_flex_forward_has_no_sync_per_layer():
                 torch.cuda.set_sync_debug_mode("default")
         counts[layers] = sum("synchroniz" in str(x.message) for x in w)
     assert counts[6] < counts[2] + (6 - 2) and counts[6] <= 6, counts
+
+
+@pytest.mark.parametrize("name", ["none", "rotary", "alibi", "t5", "kerple-log", "fire", "sliding-dilated", "hybrid"])
+@pytest.mark.parametrize("window", [None, 16])
+def test_cached_decoding_step_has_no_host_device_sync_per_layer(name, window):
+    """One token decoded with the KV cache synchronises a few times per step, never per layer: the layers' key
+    positions are one shared tensor (KVCache._shared_pos: three syncs per layer before), and a learnable table's
+    cached parameters are compared once per forward (one per layer before)."""
+    counts = {}
+    for layers in (2, 6):
+        torch.manual_seed(0)
+        m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=64, heads=4, layers=layers, train_length=128)).eval()
+        idx = torch.randint(0, 64, (1, 42))
+        cache = KVCache(layers, window=window)
+        with torch.no_grad():
+            m(idx[:, :40], positions=torch.arange(40), cache=cache)
+            m(idx[:, 40:41], positions=torch.tensor([40]), cache=cache)  # tables and masters built
+            with CountSyncs() as c:
+                m(idx[:, 41:42], positions=torch.tensor([41]), cache=cache)
+        counts[layers] = len(c.calls)
+    assert counts[2] == counts[6] and counts[2] <= 8, counts

@@ -48,6 +48,12 @@ class KVCache:
         self.content: list[torch.Tensor | None] = [None] * layers  # [B, H, Lc] positions from content
         self._buf: list[tuple | None] = [None] * layers  # (kbuf, vbuf, pbuf, cbuf | None) storage
         self._count = [0] * layers  # tokens written so far
+        # one positions tensor for the layers whose cached positions are equal (module doc of _shared_pos)
+        self._hist = [0] * layers  # per layer: the interned history of the calls that wrote its positions
+        self._intern: dict = {}  # (history, call, window) -> history
+        self._call, self._last_pos = 0, None  # this call's number, and its positions tensor
+        self._views: dict = {}  # history -> the positions tensor returned for it
+        self._unshared = 0  # the last history given to one layer alone (negative)
 
     def update(self, layer: int, scheme, q, k, v, pos, content=None, keep: int | None = None):
         """Add this call's q, k, v [B, H, L, D] at positions ``pos`` [L]; returns what attention takes,
@@ -169,11 +175,34 @@ class KVCache:
         out = kb[:, :, start:start + size], vb[:, :, start:start + size], pb[start:start + size]
         self.k[layer], self.v[layer], self.pos[layer] = out
         self.content[layer] = None if content is None else cb[..., start:start + size]
-        if before is not None:
+        shared = self._shared_pos(layer, pos, w, out[2])
+        if before is not None:  # (the ring above still holds the layer's own history)
             if content is not None:
                 self.content[layer] = before[3]
             return before[:3]
-        return out
+        return out[0], out[1], shared
+
+    def _shared_pos(self, layer: int, pos: torch.Tensor, w, view: torch.Tensor) -> torch.Tensor:
+        """The positions ``view`` [Lc], or the equal tensor an earlier layer got in this call. Every layer's
+        positions are the positions of the calls it stored, kept as ``w`` keeps them: layers with the same history
+        hold equal positions, so they share one tensor and attention reads its start back once per forward
+        (DistanceBias.starts is memoised per tensor), not once per layer (three host syncs per layer per decoded
+        token on a GPU before). Each layer keeps its own view in ``pos[layer]``; the shared one is only returned."""
+        if pos is not self._last_pos:  # a new call (the layers of one call get the same positions tensor)
+            self._call, self._last_pos = self._call + 1, pos
+        key = (self._hist[layer], self._call, w)
+        hist = self._hist[layer] = self._intern.setdefault(key, len(self._intern) + 1)
+        hit = self._views.get(hist)
+        if hit is None:
+            if len(self._views) >= 16:  # older calls' tensors
+                self._views.pop(next(iter(self._views)))
+            hit = self._views[hist] = view
+        return hit
+
+    def _fresh(self) -> int:
+        """A history no other layer shares (positions stored by concatenation under autograd)."""
+        self._unshared -= 1
+        return self._unshared
 
     def _before(self, layer, k, v, pos, content, old: int):
         """(k, v, pos, content) of the newest ``old`` cached tokens followed by the new ones (cat: copies)."""
@@ -185,6 +214,7 @@ class KVCache:
                 torch.cat([self.pos[layer][-have:], pos]), ck)  # [B, H, have + L, D], ..., [have + L]
 
     def _extend_functional(self, layer, k, v, pos, content=None, own: int | None = None):
+        self._hist[layer] = self._fresh()
         if own is not None:  # the layer's own bound: see keep old + all new, store the newest w = keep + 1
             k, v, pos, content = self._before(layer, k, v, pos, content, own - 1)
             self._buf[layer], self._count[layer] = None, 0
