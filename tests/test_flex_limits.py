@@ -193,7 +193,8 @@ def test_cuda_flex_forward_has_no_sync_per_layer():
     assert counts[6] < counts[2] + (6 - 2) and counts[6] <= 6, counts
 
 
-@pytest.mark.parametrize("name", ["none", "rotary", "alibi", "t5", "kerple-log", "fire", "sliding-dilated", "hybrid"])
+@pytest.mark.parametrize("name", ["none", "rotary", "alibi", "t5", "kerple-log", "fire", "sliding-dilated", "hybrid",
+                                  "fox"])
 @pytest.mark.parametrize("window", [None, 16])
 def test_cached_decoding_step_has_no_host_device_sync_per_layer(name, window):
     """One token decoded with the KV cache synchronises a few times per step, never per layer: the layers' key

@@ -334,7 +334,7 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
         opts.ran(path)
         return folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, base_scale=base, scale=scale,
                                 tau_rows=rows, window=opts.window, block=block, same=same,
-                                sink_rows=None if srows is None else srows / tau), None
+                                sink_rows=None if srows is None else srows / tau, starts=starts), None
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
         try:

@@ -104,7 +104,7 @@ def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, sc
 def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float, scale: float,
                      tau_rows: torch.Tensor | None = None, window: int | None = None,
                      block: int | None = None, same: bool = False,
-                     sink_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     sink_rows: torch.Tensor | None = None, starts: tuple | None = None) -> torch.Tensor:
     """softmax((q·k·base_scale - s_h·(p_m - p_n)) / tau) v through fused SDPA: q [B,H,Lq,D],
     k/v [B,H,Lk,D] at increasing token positions q_pos [Lq], k_pos [Lk] (queries at or after
     their keys: full sequences, or chunks after a KV cache); slopes [H]; pq [B|1,H|1,Lq],
@@ -112,7 +112,9 @@ def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float
     ``tau_rows`` [B|1,H|1,Lq] a further per-query divisor. ``block``: query rows per call (None:
     one ``is_causal`` call when ``same``, else FOLD_GROUP). ``same``: queries and keys are the same
     increasing positions. ``sink_rows`` [1, H, Lq|1]: the attention-sink logit of each row, temperatures
-    applied (model.sinks, :mod:`.sinks`). Returns [B, H, Lq, D]."""
+    applied (model.sinks, :mod:`.sinks`). ``starts`` (a, c): the positions are a.. and c.. (contiguous), so each
+    call's key range comes from them instead of from the device (a read-back per call: per layer when decoding).
+    Returns [B, H, Lq, D]."""
     Lq, Lk = q.shape[2], k.shape[2]
     dt = compute_dtype(q)
     low = dt if dt in (torch.float16, torch.bfloat16) else None
@@ -128,10 +130,18 @@ def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float
     for r0 in range(0, Lq, bs):
         r1 = min(Lq, r0 + bs)
         qp = q_pos[r0:r1]
-        hi = int(torch.searchsorted(k_pos, qp[-1:], right=True))  # keys after the last query: masked
-        lo = 0 if window is None else int(torch.searchsorted(k_pos, qp[:1] - int(window) + 1))
+        if starts is not None and starts[0] is not None and starts[1] is not None:  # contiguous: host arithmetic
+            a, c = starts
+            hi = max(0, min(Lk, a + r1 - c))  # keys at positions <= the last query
+            lo = 0 if window is None else max(0, min(hi, a + r0 - int(window) + 1 - c))
+            masked = not (c + hi - 1 <= a + r0 and (window is None or a + r1 - 1 - (c + lo) < window))
+        else:
+            hi = int(torch.searchsorted(k_pos, qp[-1:], right=True))  # keys after the last query: masked
+            lo = 0 if window is None else int(torch.searchsorted(k_pos, qp[:1] - int(window) + 1))
+            masked = None
         kp, mask = k_pos[lo:hi], None
-        if not (int(kp[-1]) <= int(qp[0]) and (window is None or int(qp[-1]) - int(kp[0]) < window)):
+        if masked if masked is not None else not (
+                int(kp[-1]) <= int(qp[0]) and (window is None or int(qp[-1]) - int(kp[0]) < window)):
             dist = qp[:, None] - kp[None]  # [bq, bk]: some (query, key) pair of the call is masked
             ok = dist >= 0
             mask = (ok if window is None else ok & (dist < window))[None, None]  # [1, 1, bq, bk]
