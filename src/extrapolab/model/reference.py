@@ -33,7 +33,6 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..positional.base import PositionalScheme, ScoreBlock, causal_distance
 from .sdpa import sdpa
