@@ -122,6 +122,28 @@ def test_accumulation_split_does_not_change_training(tmp_path, data):
     np.testing.assert_allclose(la, lb, rtol=1e-4)
 
 
+def test_train_attention_option_reaches_every_layer_and_is_checked(tmp_path, data, monkeypatch):
+    """train.attention=blocked runs the training forward on the blocked path (the same losses as auto, which takes
+    the Toeplitz path here); an unknown value fails in one line before any work."""
+    from extrapolab.config import ConfigError, validate
+    from extrapolab.model import attention as A
+
+    seen = []
+    real = A.select_path
+    monkeypatch.setattr(A, "select_path", lambda *a, **kw: seen.append(a[2].impl) or real(*a, **kw))
+    common = ("train.steps=2", "model.dropout=0.0", "train.eval_every=0")
+    train(tiny_cfg(*common), tmp_path / "a", data=data, progress=False)
+    auto = set(seen)
+    seen.clear()
+    train(tiny_cfg(*common, "train.attention=blocked"), tmp_path / "b", data=data, progress=False)
+    assert auto == {"auto"} and "blocked" in seen
+    la = [r["loss"] for r in read_rows(tmp_path / "a") if "loss" in r]
+    lb = [r["loss"] for r in read_rows(tmp_path / "b") if "loss" in r]
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    with pytest.raises(ConfigError, match="train.attention must be one of auto, .*got 'fast'"):
+        validate(tiny_cfg("train.attention=fast"))
+
+
 def test_resume_is_bit_exact(tmp_path, data, finished):
     full, _ = finished
     run = tmp_path / "killed"

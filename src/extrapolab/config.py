@@ -77,6 +77,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch.set_num_threads; 0 = leave default
     compile: bool = False
+    #: the training forward's attention implementation (model/attention.py IMPLS): auto | flex | sdpa | blocked | plain.
+    #: "flex" on CUDA trains learnable tables (T5, KERPLE, FIRE up to L) and FoX through FlexAttention with our
+    #: gradient kernels (docs/attention.md) where `auto` takes the dense mask / folded path
+    attention: str = "auto"
     flush_denormals: bool = True  # FTZ/DAZ for this process's training (model.attention.flush_denormals)
     strategy: str = "ddp"  # ddp | fsdp: how torchrun processes share the model (DDP replicates, FSDP shards)
     tensorboard: bool = False  # also write metrics as TensorBoard events to RUN/tensorboard (pip install -e '.[tb]')
@@ -297,6 +301,9 @@ def validate(cfg: RunConfig) -> None:
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
+    from .model.attention import IMPLS
+    if cfg.train.attention not in IMPLS:
+        raise ConfigError(f"train.attention must be one of {', '.join(IMPLS)}, got {cfg.train.attention!r}")
     if any(L < 1 for L in cfg.eval.lengths):
         raise ConfigError(f"eval.lengths must be positive, got {cfg.eval.lengths}")
     if cfg.eval.erf_length < 0 or cfg.eval.erf_segments < 1 or not 0 < cfg.eval.trf_eps < 1:

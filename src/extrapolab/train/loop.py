@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .. import config as config_mod
 from ..config import RunConfig
 from ..io import UserError, run_lock
-from ..model.attention import flush_denormals
+from ..model.attention import AttnOptions, flush_denormals
 from ..model.regular_lm import build_model
 from ..positional import randomized
 from . import dist as D
@@ -196,7 +196,8 @@ class _Trainer:
                 lr = lr_at(self.step, tc)
                 set_lr(self.optimizer, lr)
                 loss = forward_backward(self.model, batches, self.precision, env.device,
-                                        self.scaler if self.scaler.is_enabled() else None, positions)
+                                        self.scaler if self.scaler.is_enabled() else None, positions,
+                                        None if tc.attention == "auto" else AttnOptions(impl=tc.attention))
                 if tc.grad_clip > 0:
                     self.scaler.unscale_(self.optimizer)
                     norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)

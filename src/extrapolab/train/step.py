@@ -40,10 +40,11 @@ def autocast(precision: str, device: torch.device):
 
 
 def forward_backward(model, micro_batches, precision="fp32", device=torch.device("cpu"), scaler=None,
-                     positions=None) -> torch.Tensor:
+                     positions=None, opts=None) -> torch.Tensor:
     """Accumulate gradients of the mean next-token loss over ``micro_batches`` (each [b, L+1]).
 
-    ``positions``: None (0..L-1) or one [L] tensor per micro-batch (randomized positions).
+    ``positions``: None (0..L-1) or one [L] tensor per micro-batch (randomized positions); ``opts``: the
+    attention options of the forward (``train.attention``), None for the model's default.
     Returns the detached mean loss. Gradient sync (DDP/FSDP) only on the last micro-batch.
     """
     n = len(micro_batches)
@@ -51,7 +52,8 @@ def forward_backward(model, micro_batches, precision="fp32", device=torch.device
     for i, x in enumerate(micro_batches):
         with D.sync_context(model, i == n - 1):
             with autocast(precision, device):
-                logits = model(x[:, :-1], None if positions is None else positions[i])  # [b, L, V]
+                kw = {} if opts is None else {"opts": opts}
+                logits = model(x[:, :-1], None if positions is None else positions[i], **kw)  # [b, L, V]
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
             (scaler.scale(loss / n) if scaler is not None else loss / n).backward()
         total += loss.detach().double()
