@@ -54,6 +54,14 @@ def _bool_index(args) -> bool:
     return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in idx)
 
 
+def launch_spy(monkeypatch, module) -> list:
+    """A list that grows by one each time ``module._launch`` (a gradient kernel of model/table_grad.py or
+    model/flex_content.py) runs: the Triton kernel, not its PyTorch form, answered."""
+    launched, real = [], module._launch
+    monkeypatch.setattr(module, "_launch", lambda *a: launched.append(1) or real(*a))
+    return launched
+
+
 def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True, return_aux=None,
                 return_lse=False):
     # touch what the compiled kernel would read, without running FlexAttention under the mode

@@ -12,7 +12,7 @@ from extrapolab.io import UserError
 from extrapolab.model import flex
 from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
-from flexspy import eager_dense_calls, gathers_per_tensor, grad_mismatches, stub_kernel
+from flexspy import eager_dense_calls, gathers_per_tensor, grad_mismatches, launch_spy, stub_kernel
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="torch without FlexAttention")
 BIAS_SCHEMES = [n for n in positional.names()  # score-level schemes (DAPE) never take FlexAttention
@@ -252,8 +252,7 @@ def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, monkeypatch):
     path's own bf16 error against fp32 (plus 1e-3)."""
     dense = eager_dense_calls(monkeypatch)
     calls = _flex_calls(monkeypatch)
-    launched, real = [], flex.table_grad._launch  # a learnable table's gradient: the Triton kernel, never atomics
-    monkeypatch.setattr(flex.table_grad, "_launch", lambda *a: launched.append(1) or real(*a))
+    launched = launch_spy(monkeypatch, flex.table_grad)  # a learnable table's gradient: the kernel, never atomics
     m = _gpt(name)
     for L in (100, 300):
         idx = torch.randint(0, 64, (2, L), device="cuda", generator=torch.Generator("cuda").manual_seed(L))

@@ -12,7 +12,7 @@ from extrapolab.io import UserError
 from extrapolab.model import flex, flex_content, table_grad
 from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
-from flexspy import grad_mismatches
+from flexspy import grad_mismatches, launch_spy
 
 pytest.importorskip("triton")
 
@@ -37,8 +37,7 @@ def test_key_term_gradient_equals_autograd_of_the_dense_formula(L, window, block
     launched = []
     if kernel:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        real = flex_content._launch
-        monkeypatch.setattr(flex_content, "_launch", lambda *a: launched.append(1) or real(*a))
+        launched = launch_spy(monkeypatch, flex_content)
     dt = torch.float32 if kernel else torch.float64
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, L, 12, generator=g, dtype=dt).requires_grad_() for _ in range(3))
@@ -148,8 +147,7 @@ def test_a_kernel_that_cannot_run_takes_the_folded_path_with_one_line(monkeypatc
 def test_cuda_fox_trains_through_flex_content_like_the_plain_path(dtype, monkeypatch):
     """A FoX training step on CUDA through the compiled kernel and the key-term kernel: output and every gradient
     as the plain path's (fp32: 1e-4 of each gradient's norm; bf16: within twice the plain path's own bf16 error)."""
-    launched, real = [], flex_content._launch
-    monkeypatch.setattr(flex_content, "_launch", lambda *a: launched.append(1) or real(*a))
+    launched = launch_spy(monkeypatch, flex_content)
     torch.manual_seed(0)
     m = GPT(ModelConfig(scheme="fox", vocab_size=64, dim=256, heads=4, layers=2, train_length=1024)).cuda()
 

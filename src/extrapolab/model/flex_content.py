@@ -87,18 +87,10 @@ class _KeyTerm(torch.autograd.Function):
 def key_gradient(q, k, v, out, lse, dout, hi, lo, scale: float, inv_tau: float, window: int | None,
                  block: int = BLOCK) -> torch.Tensor:
     """d loss / d c_n = inv_tau · Σ_m dS_mn [B, H, L] (fp32; module doc)."""
-    wp = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = (dout.to(wp) * out.to(wp)).sum(-1)  # [B, H, L] rowsum(dO ⊙ O)
+    lse, delta = table_grad.row_stats(q, out, lse, dout)
     reach = q.shape[2] if window is None else min(int(window), q.shape[2])
-    args = (q, k, v, dout, lse.to(wp), delta, hi, lo, scale, inv_tau, reach, block)
-    if table_grad.kernel_applies(q):
-        try:
-            return _launch(*args)
-        except Exception as err:  # noqa: BLE001 -- only Triton's own compile / resource errors are ours
-            if not table_grad._triton_error(err):
-                raise
-            table_grad.failed(err)
-    return _columns_torch(*args)
+    return table_grad.kernel_or_torch(q, _launch, _columns_torch, q, k, v, dout, lse, delta, hi, lo, scale, inv_tau,
+                                      reach, block)
 
 
 def _columns_torch(q, k, v, dout, lse, delta, hi, lo, scale, inv_tau, reach, block):

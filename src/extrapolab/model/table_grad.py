@@ -82,21 +82,31 @@ def table_gradient(q, k, v, out, lse, dout, table, off: int, scale: float, inv_t
     dmax = min(nq - 1, (reach - 1 - off + block - 1) // block)  # highest with a distance < reach
     if dmax < dmin or reach <= 0:
         return torch.zeros_like(table)
+    lse, delta = row_stats(q, out, lse, dout)
+    tab = table.detach().to(delta.dtype).expand(H, n).contiguous()  # [H, n]
+    tiles = kernel_or_torch(q, _launch, _tiles_torch, q, k, v, dout, lse, delta, tab, off, scale, inv_tau, reach, dmin,
+                            dmax, block)  # [H, nδ, block, block]
+    return _diagonals(tiles, off, dmin, n, block).to(table.dtype)
+
+
+def row_stats(q, out, lse, dout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse, Δ = rowsum(dO ⊙ O)) [B, H, Lq] in the working precision (fp64 for fp64 inputs, else fp32): what the
+    flash-attention backward needs per query row besides q, k, v and dO."""
     wp = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = (dout.to(wp) * out.to(wp)).sum(-1)  # [B, H, Lq] rowsum(dO ⊙ O)
-    tab = table.detach().to(wp).expand(H, n).contiguous()  # [H, n]
-    args = (q, k, v, dout, lse.to(wp), delta, tab, off, scale, inv_tau, reach, dmin, dmax, block)
-    tiles = None
+    return lse.to(wp), (dout.to(wp) * out.to(wp)).sum(-1)
+
+
+def kernel_or_torch(q, launch, torch_form, *args):
+    """``launch(*args)`` where the Triton kernel runs for ``q`` (:func:`kernel_applies`), else ``torch_form(*args)``;
+    a kernel that fails to compile (Triton's own error) warns once (:func:`failed`) and the PyTorch form answers."""
     if kernel_applies(q):
         try:
-            tiles = _launch(*args)
+            return launch(*args)
         except Exception as err:  # noqa: BLE001 -- only Triton's own compile / resource errors are ours
             if not _triton_error(err):
                 raise
             failed(err)
-    if tiles is None:
-        tiles = _tiles_torch(*args)  # [H, nδ, block, block]
-    return _diagonals(tiles, off, dmin, n, block).to(table.dtype)
+    return torch_form(*args)
 
 
 def failed(err: Exception) -> None:
