@@ -53,7 +53,6 @@ class KVCache:
         self._intern: dict = {}  # (history, call, window) -> history
         self._call, self._last_pos = 0, None  # this call's number, and its positions tensor
         self._views: dict = {}  # history -> the positions tensor returned for it
-        self._unshared = 0  # the last history given to one layer alone (negative)
 
     def update(self, layer: int, scheme, q, k, v, pos, content=None, keep: int | None = None):
         """Add this call's q, k, v [B, H, L, D] at positions ``pos`` [L]; returns what attention takes,
@@ -199,11 +198,6 @@ class KVCache:
             hit = self._views[hist] = view
         return hit
 
-    def _fresh(self) -> int:
-        """A history no other layer shares (positions stored by concatenation under autograd)."""
-        self._unshared -= 1
-        return self._unshared
-
     def _before(self, layer, k, v, pos, content, old: int):
         """(k, v, pos, content) of the newest ``old`` cached tokens followed by the new ones (cat: copies)."""
         have = 0 if self.k[layer] is None else min(old, self.k[layer].shape[2])
@@ -214,7 +208,6 @@ class KVCache:
                 torch.cat([self.pos[layer][-have:], pos]), ck)  # [B, H, have + L, D], ..., [have + L]
 
     def _extend_functional(self, layer, k, v, pos, content=None, own: int | None = None):
-        self._hist[layer] = self._fresh()
         if own is not None:  # the layer's own bound: see keep old + all new, store the newest w = keep + 1
             k, v, pos, content = self._before(layer, k, v, pos, content, own - 1)
             self._buf[layer], self._count[layer] = None, 0

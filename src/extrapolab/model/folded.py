@@ -134,14 +134,15 @@ def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float
             a, c = starts
             hi = max(0, min(Lk, a + r1 - c))  # keys at positions <= the last query
             lo = 0 if window is None else max(0, min(hi, a + r0 - int(window) + 1 - c))
+            kp = k_pos[lo:hi]
             masked = not (c + hi - 1 <= a + r0 and (window is None or a + r1 - 1 - (c + lo) < window))
         else:
             hi = int(torch.searchsorted(k_pos, qp[-1:], right=True))  # keys after the last query: masked
             lo = 0 if window is None else int(torch.searchsorted(k_pos, qp[:1] - int(window) + 1))
-            masked = None
-        kp, mask = k_pos[lo:hi], None
-        if masked if masked is not None else not (
-                int(kp[-1]) <= int(qp[0]) and (window is None or int(qp[-1]) - int(kp[0]) < window)):
+            kp = k_pos[lo:hi]
+            masked = not (int(kp[-1]) <= int(qp[0]) and (window is None or int(qp[-1]) - int(kp[0]) < window))
+        mask = None
+        if masked:
             dist = qp[:, None] - kp[None]  # [bq, bk]: some (query, key) pair of the call is masked
             ok = dist >= 0
             mask = (ok if window is None else ok & (dist < window))[None, None]  # [1, 1, bq, bk]

@@ -73,10 +73,7 @@ class DistanceBias:
 
     def increasing(self, pos: torch.Tensor) -> bool:
         """Strictly increasing positions, memoised (within this forward) like :meth:`starts`."""
-        hit = self._increasing.get(id(pos))
-        if hit is None or hit[0] is not pos:
-            hit = self._increasing[id(pos)] = (pos, pos.numel() < 2 or bool(torch.all(pos[1:] > pos[:-1])))
-        return hit[1]
+        return _by_id(self._increasing, pos, lambda: pos.numel() < 2 or bool(torch.all(pos[1:] > pos[:-1])))
 
     def memo(self, key, make):
         """``make()`` once per forward for ``key``, shared by every layer: the flex path's block mask
@@ -95,10 +92,7 @@ class DistanceBias:
 
     def starts(self, pos: torch.Tensor) -> int | None:
         """:func:`arange_start`, memoised (within this forward) for position tensors layers share."""
-        hit = self._starts.get(id(pos))
-        if hit is None or hit[0] is not pos:
-            hit = self._starts[id(pos)] = (pos, arange_start(pos))
-        return hit[1]
+        return _by_id(self._starts, pos, lambda: arange_start(pos))
 
     def layer_key(self, layer: int) -> int:
         """Layers with the same key share tables (all of them unless the scheme is layer-dependent)."""
@@ -148,10 +142,7 @@ class DistanceBias:
         """``stored`` (a cached table's parameter fingerprint) equals this forward's, compared once per forward
         for each stored fingerprint (the layers' tables built in one forward share one: a comparison reads a
         value back, once per layer on a GPU before)."""
-        hit = self._same_fp.get(id(stored))
-        if hit is None or hit[0] is not stored:
-            hit = self._same_fp[id(stored)] = (stored, _same(stored, params))
-        return hit[1]
+        return _by_id(self._same_fp, stored, lambda: _same(stored, params))
 
     def _build(self, layer, dmax, size, window, tau, dtype, kind, reach=True) -> tuple[torch.Tensor, int]:
         """(ext, dfin): ``reach=False`` takes dfin from the window alone (no device read-back; keys past the
@@ -186,6 +177,15 @@ def table_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _floats(t: torch.Tensor | None) -> list[float] | None:
     return None if t is None else [float(x) for x in t.reshape(-1).tolist()]
+
+
+def _by_id(memo: dict, obj, compute):
+    """``compute()`` for ``obj``, once while ``memo`` lives: keyed by id(obj), obj kept alive beside the value (so its
+    id is not reused by another object)."""
+    hit = memo.get(id(obj))
+    if hit is None or hit[0] is not obj:
+        hit = memo[id(obj)] = (obj, compute())
+    return hit[1]
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -184,6 +184,7 @@ class _Trainer:
                    desc=cfg.name, unit="step", dynamic_ncols=True)
         interval_time, interval_steps, first_batch = 0.0, 0, None
         cuda = env.device.type == "cuda"
+        train_opts = None if tc.attention == "auto" else AttnOptions(impl=tc.attention)  # train.attention
         try:  # close the bar on errors too, so a one-line error starts on its own line
             while self.step < tc.steps:
                 if self.stop_after is not None and self.step >= self.stop_after:
@@ -196,8 +197,7 @@ class _Trainer:
                 lr = lr_at(self.step, tc)
                 set_lr(self.optimizer, lr)
                 loss = forward_backward(self.model, batches, self.precision, env.device,
-                                        self.scaler if self.scaler.is_enabled() else None, positions,
-                                        None if tc.attention == "auto" else AttnOptions(impl=tc.attention))
+                                        self.scaler if self.scaler.is_enabled() else None, positions, train_opts)
                 if tc.grad_clip > 0:
                     self.scaler.unscale_(self.optimizer)
                     norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
