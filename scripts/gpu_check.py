@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?", default="reports/gpu-check", help="output folder")
     ap.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU (checks the plumbing)")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: write the report from what OUT holds "
+                    "(stages.json, env.json, logs), e.g. after copying it off the GPU machine")
     ap.add_argument("--stages", default="", help="comma-separated stages to run (default: all); the report "
                     "covers every stage recorded in OUT, so a check can run in two commands: "
                     "--stages pytest,bench-train then --stages bench-long,demo,profile,torchrun")
@@ -172,6 +174,15 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    saved = out / "env.json"  # the machine that ran the stages (the report may be written elsewhere)
+    if args.report_only:
+        if not (out / "stages.json").is_file():
+            ap.error(f"{out} holds no stages.json: run the check into it first")
+        env = json.loads(saved.read_text()) if saved.is_file() else _env()
+        stages = json.loads((out / "stages.json").read_text())
+        _report(out, env, {k: stages[k] for k in _commands(out, args.dry_run) if k in stages},
+                float(env.get("wall_s", 0)), args.dry_run)
+        return 0 if all(s["rc"] == 0 for s in stages.values()) else 1
     env = _env()
     print(f"[gpu-check] {env}", flush=True)
     dry = args.dry_run
@@ -188,7 +199,10 @@ def main(argv=None) -> int:
             _stage(name, cmd, out, LIMITS[name] * slack, stages, extra)
             record.write_text(json.dumps(stages, indent=1))
     stages = {k: stages[k] for k in cmds if k in stages}
-    _report(out, env, stages, time.time() - t0, dry)
+    saved.write_text(json.dumps(env | {"wall_s": round(time.time() - t0 + float(
+        json.loads(saved.read_text()).get("wall_s", 0) if saved.is_file() and want else 0), 1)}, indent=1))
+    env = json.loads(saved.read_text())
+    _report(out, env, stages, env["wall_s"], dry)
     return 0 if all(s["rc"] == 0 for s in stages.values()) else 1
 
 
