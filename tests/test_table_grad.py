@@ -101,6 +101,25 @@ def test_batch_groups_give_the_same_gradient(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_fp32_operands_ask_the_kernel_for_ieee_products(monkeypatch):
+    """Triton's tl.dot multiplies fp32 operands in TF32 on a GPU unless told otherwise (the fp32 GPU tests saw
+    the tables' gradients 1e-3 to 1e-2 off the plain path on an H100): the launch passes input_precision
+    "ieee" for fp32 inputs and Triton's default for 16-bit ones (which it ignores)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    seen, real = [], table_grad._kernel
+
+    class Spy:
+        def __init__(self, interp):
+            self.k = real(interp)
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append(kw["PREC"]) or self.k[grid](*a, **kw)
+    monkeypatch.setattr(table_grad, "_kernel", Spy)
+    _grads(torch.float32, CASES[4], route=True)
+    assert seen == ["ieee"]
+    assert table_grad.dot_precision(torch.ones(1, dtype=torch.bfloat16)) == "tf32"
+
+
 def test_a_kernel_that_does_not_compile_warns_once_and_uses_the_torch_tiles(monkeypatch):
     """Never a traceback from the backward: Triton's out-of-resources (or compile) error -> one warning, the PyTorch
     tiles from then on, the same gradient; any other error is raised."""

@@ -124,7 +124,8 @@ def _launch(q, k, v, dout, lse, delta, hi, lo, scale, inv_tau, reach, block):
     _kernel(interpreting() and not q.is_cuda)[grid](
         *x, lse, delta, hi, lo, tiles, H, L, reach, *x[0].stride()[:3], *x[1].stride()[:3], *x[2].stride()[:3],
         *x[3].stride()[:3], *lse.stride()[:2], *delta.stride()[:2], scale, inv_tau, D,
-        BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=not q.is_cuda, num_warps=4)
+        BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=not q.is_cuda,
+        PREC=table_grad.dot_precision(q), num_warps=4)
     return tiles.sum(-2).flatten(-2)[..., :L]  # [B, H, L]: the columns' sums (a reduction in the kernel would be
     # tl.sum, a jit function Triton's interpreter cannot call when triton was imported before TRITON_INTERPRET)
 
@@ -138,7 +139,7 @@ def _kernel(interpret: bool):
     @triton.jit
     def key_grad_kernel(Q, K, V, DO, LSE, DELTA, HI, LO, G, H, L, REACH, sqb, sqh, sql, skb, skh, skl, svb, svh, svl,
                         sob, soh, sol, slb, slh, sdb, sdh, scale, inv_tau, D, BLOCK: tl.constexpr,
-                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         r = tl.program_id(0)  # key block
         bh = tl.program_id(1)
         b, h = bh // H, bh % H
@@ -170,12 +171,12 @@ def _kernel(interpret: bool):
             dl = tl.load(Db + rows, mask=rm, other=0.0)
             qh = tl.load(HI + Cb + rows, mask=rm, other=0.0)
             ql = tl.load(LO + Cb + rows, mask=rm, other=0.0)
-            s = tl.dot(q, tl.trans(kt)) * scale  # [BM, BN] fp32
+            s = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale  # [BM, BN] fp32
             logit = (s + ((kh[None, :] - qh[:, None]) + (kl[None, :] - ql[:, None]))) * inv_tau
             dist = rows[:, None] - keys[None, :]
             ok = (dist >= 0) & (dist < REACH) & rm[:, None] & km[None, :] & (lse[:, None] > float("-inf"))
             P = tl.exp(tl.where(ok, logit - lse[:, None], float("-inf")))  # 0 where masked, no overflow
-            dp = tl.dot(do, tl.trans(vt))  # [BM, BN] fp32
+            dp = tl.dot(do, tl.trans(vt), input_precision=PREC)  # [BM, BN] fp32
             acc += P * (dp - dl[:, None])
         out = G + (bh * tl.num_programs(0) + r).to(tl.int64) * (BLOCK * BLOCK)
         tl.store(out + i[:, None] * BLOCK + i[None, :], acc * inv_tau)

@@ -109,6 +109,13 @@ def kernel_or_torch(q, launch, torch_form, *args):
     return torch_form(*args)
 
 
+def dot_precision(q: torch.Tensor) -> str:
+    """``tl.dot``'s input precision for operands of q's dtype: "ieee" for fp32 (Triton's default on a GPU is TF32, a
+    10-bit mantissa: the fp32 GPU tests saw the tables' gradients 1e-3 to 1e-2 off the plain path on an H100),
+    else Triton's default "tf32", which 16-bit operands ignore."""
+    return "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+
+
 def failed(err: Exception) -> None:
     """A gradient kernel (this module's or :mod:`.flex_content`'s) did not compile: one warning, and the PyTorch
     tiles for every later call of either (same values, slower)."""
@@ -197,7 +204,7 @@ def _launch(q, k, v, dout, lse, delta, tab, off, scale, inv_tau, reach, dmin, dm
         *x, dout, lse, delta, tab, tiles, B, H, Lq, Lk, tab.shape[1], off, reach, dmin, -(-Lq // block),
         -(-Lk // block), per, *x[0].stride()[:3], *x[1].stride()[:3], *x[2].stride()[:3], *dout.stride()[:3],
         *lse.stride()[:2], *delta.stride()[:2], scale, inv_tau, D,
-        BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=not q.is_cuda, num_warps=4)
+        BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=not q.is_cuda, PREC=dot_precision(q), num_warps=4)
     return tiles.sum(0)
 
 
@@ -211,7 +218,7 @@ def _kernel(interpret: bool):
     def table_grad_kernel(Q, K, V, DO, LSE, DELTA, T, G, B, H, Lq, Lk, N, OFF, REACH, DMIN, NQB, NKB, PER,
                           sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, slb, slh, sdb, sdh,
                           scale, inv_tau, D, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                          UPCAST: tl.constexpr):
+                          UPCAST: tl.constexpr, PREC: tl.constexpr):
         j = tl.program_id(0)  # block offset δ = DMIN + j
         gh = tl.program_id(1)
         g, h = gh // H, gh % H  # batch group, head
@@ -245,11 +252,11 @@ def _kernel(interpret: bool):
                 dl = tl.load(Db + rows, mask=rm, other=0.0)  # [BM]
                 if UPCAST:  # Triton's interpreter multiplies 16-bit operands wrongly: fp32 there
                     q, kt, do, vt = q.to(tl.float32), kt.to(tl.float32), do.to(tl.float32), vt.to(tl.float32)
-                s = tl.dot(q, tl.trans(kt)) * scale  # [BM, BN], fp32
+                s = tl.dot(q, tl.trans(kt), input_precision=PREC) * scale  # [BM, BN], fp32
                 logit = (s + bias) * inv_tau
                 ok = vis & rm[:, None] & km[None, :] & (lse[:, None] > float("-inf"))
                 P = tl.exp(tl.where(ok, logit - lse[:, None], float("-inf")))  # 0 where masked, no overflow
-                dp = tl.dot(do, tl.trans(vt))  # [BM, BN], fp32
+                dp = tl.dot(do, tl.trans(vt), input_precision=PREC)  # [BM, BN], fp32
                 acc += P * (dp - dl[:, None])
             Qb, Kb, Vb, Ob, Lb, Db = Qb + sqb, Kb + skb, Vb + svb, Ob + sob, Lb + slb, Db + sdb
         out = G + (g * H + h).to(tl.int64) * (tl.num_programs(0) * BLOCK * BLOCK) + j * BLOCK * BLOCK
