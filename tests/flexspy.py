@@ -62,7 +62,7 @@ def launch_spy(monkeypatch, module) -> list:
     return launched
 
 
-def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True, return_aux=None,
+def stub_kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True, heavy=False, return_aux=None,
                 return_lse=False):
     # touch what the compiled kernel would read, without running FlexAttention under the mode
     assert block_mask is not None and callable(score_mod)

@@ -110,13 +110,15 @@ def test_flex_selection_rules():
     """attend() picks FlexAttention on CUDA for bias schemes of a full forward, never on CPU; two-pass
     schemes take their own path on both."""
     kw = dict(same_pos=True, starts=(0, 0), dense_bias=False, grad=True)
+    L = flex.MIN_LENGTH
     for name in positional.names():
         s = positional.build(name, num_heads=4)
         folded = s.has_content or s.alibi_slopes() is not None  # what attend() finds at increasing positions
-        rows = s.toeplitz_rows()  # FIRE: queries at positions <= L see the distance table (L = 512 here)
-        split = None if rows is None else max(0, min(512, int(float(rows[0])) + 1))
+        # FIRE: queries at positions <= its L see the distance table; here all of them (its rows beyond L:
+        # tests/test_fire_flex.py)
+        split = None if s.toeplitz_rows() is None else L
         for dev in ("cpu", "cuda"):
-            path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, folded=folded, split=split, **kw)
+            path, _ = select_path(dev, s, AttnOptions(), (2, 4, L, 64), L, folded=folded, split=split, **kw)
             biased = s.has_bias or s.has_weight
             # training (grad=True) a learnable table takes the dense mask's path (flex.AUTO_TABLE_GRAD is off)
             flexed = dev == "cuda" and flex.supported("cuda", 64, torch.float32) and not s.learnable
@@ -125,7 +127,7 @@ def test_flex_selection_rules():
             want = "reference" if s.reference_only else "folded" if s.has_content else want
             assert path == want, (name, dev, path)
             if dev == "cuda" and biased and not s.reference_only and not s.has_content:  # evaluation: flex
-                path, _ = select_path(dev, s, AttnOptions(), (2, 4, 512, 64), 512, folded=folded, split=split,
+                path, _ = select_path(dev, s, AttnOptions(), (2, 4, L, 64), L, folded=folded, split=split,
                                       **{**kw, "grad": False})
                 assert path == ("flex" if flex.supported("cuda", 64, torch.float32) else "toeplitz"), (name, path)
     alibi = positional.build("alibi", num_heads=4)
@@ -134,13 +136,17 @@ def test_flex_selection_rules():
         (dict(opts=AttnOptions(need_probs=True)), "reference"),
         (dict(opts=AttnOptions(logits_sink=lambda *a: None)), "reference"),
         (dict(opts=AttnOptions(), starts=(None, 0)), "fallback"),  # non-contiguous positions
-        (dict(opts=AttnOptions(), q=(2, 4, 512, 8)), "toeplitz"),  # head size FlexAttention does not tile
+        (dict(opts=AttnOptions(), q=(2, 4, L, 8)), "toeplitz"),  # head size FlexAttention does not tile
         (dict(opts=AttnOptions(impl="sdpa")), "toeplitz"),
     ]
     for case, want in cases:
-        c = {"q": (2, 4, 512, 64), "Lk": 512, **kw, **case}
+        c = {"q": (2, 4, L, 64), "Lk": L, **kw, **case}
         path, _ = select_path("cuda", alibi, c.pop("opts"), c.pop("q"), c.pop("Lk"), **c)
         assert path == want, (case, path)
+    # below MIN_LENGTH the dense mask's path (faster on an H100 at 16 x 512: Qin 1.11x NoPE's step, flex 1.54x)
+    for grad in (True, False):
+        path, _ = select_path("cuda", alibi, AttnOptions(), (2, 4, L // 2, 64), L // 2, **{**kw, "grad": grad})
+        assert path == "toeplitz", (grad, path)
 
 
 @pytest.mark.parametrize("name", BIAS_SCHEMES)

@@ -46,6 +46,28 @@ def _spy_paths(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("kw", [{}, {"window": 30}])
+def test_impl_folded_runs_contiguous_alibi_on_the_folded_path(kw, monkeypatch):
+    """impl='folded' (to time it beside FlexAttention, or to pick it): ALiBi at contiguous positions, which auto
+    sends to the Toeplitz or flex path, takes the folded path and equals the formula; a scheme without the ALiBi
+    form is a one-line error naming impl='auto'."""
+    from extrapolab.io import UserError
+
+    s = positional.build("alibi", num_heads=3)
+    pos = torch.arange(70)
+    q, k, v = _qkv(2, 3, 70, 70, 8)
+    seen = _spy_paths(monkeypatch)
+    out, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="folded", **kw))
+    assert seen == ["folded"]
+    want = _dense(q, k, v, pos, pos, s.alibi_slopes(0), pos.double()[None, None], pos.double()[None, None], **kw)
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+    attend(q, k, v, pos, pos, s, 0, AttnOptions(**kw))
+    assert seen[-1] == "toeplitz"
+    with pytest.raises(UserError, match="impl='auto'") as err:
+        attend(q, k, v, pos, pos, positional.build("t5", num_heads=3), 0, AttnOptions(impl="folded"))
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("kw", [{}, {"window": 60}, {"temperature": 0.7}, {"impl": "blocked", "block_size": 9},
                                 {"impl": "sdpa", "window": 25, "temperature": 1.3}])
 def test_alibi_at_random_positions_folds_into_the_fused_kernel(kw, monkeypatch):

@@ -77,18 +77,19 @@ def test_flex_rows_divide_q_and_the_bias_by_a_per_head_temperature(monkeypatch):
 
 
 def test_auto_takes_flex_rows_on_cuda_only_and_never_with_cpu_gradients():
-    s = fire(H=4).float()  # L = 27.4: of 512 queries, 28 at or below L
+    s = fire(H=4).float()  # L = 27.4: of the queries, 28 at or below L
+    L = flex.MIN_LENGTH
     kw = dict(same_pos=True, starts=(0, 0), dense_bias=False, split=28)
     want = "flex" if flex.supported("cuda", 64, torch.float32) else "split"
-    assert select_path("cuda", s, AttnOptions(), (1, 4, 512, 64), 512, grad=False, **kw)[0] == want
-    assert select_path("cuda", s, AttnOptions(), (1, 4, 512, 64), 512, grad=True, **kw)[0] == "split"  # training
-    assert select_path("cuda", s, AttnOptions(impl="flex"), (1, 4, 512, 64), 512, grad=True, **kw)[0] == want
-    assert select_path("cuda", s, AttnOptions(impl="sdpa"), (1, 4, 512, 64), 512, grad=True, **kw)[0] == "split"
-    assert select_path("cuda", s, AttnOptions(), (1, 4, 256, 64), 256, grad=True, **kw)[0] == "split"  # < 512
-    assert select_path("cpu", s, AttnOptions(), (1, 4, 512, 64), 512, grad=False, **kw)[0] == "split"
-    assert select_path("cpu", s, AttnOptions(impl="flex"), (1, 4, 512, 64), 512, grad=False, **kw)[0] == "flex"
+    assert select_path("cuda", s, AttnOptions(), (1, 4, L, 64), L, grad=False, **kw)[0] == want
+    assert select_path("cuda", s, AttnOptions(), (1, 4, L, 64), L, grad=True, **kw)[0] == "split"  # training
+    assert select_path("cuda", s, AttnOptions(impl="flex"), (1, 4, L, 64), L, grad=True, **kw)[0] == want
+    assert select_path("cuda", s, AttnOptions(impl="sdpa"), (1, 4, L, 64), L, grad=True, **kw)[0] == "split"
+    assert select_path("cuda", s, AttnOptions(), (1, 4, L // 2, 64), L // 2, grad=True, **kw)[0] == "split"  # < MIN_LENGTH
+    assert select_path("cpu", s, AttnOptions(), (1, 4, L, 64), L, grad=False, **kw)[0] == "split"
+    assert select_path("cpu", s, AttnOptions(impl="flex"), (1, 4, L, 64), L, grad=False, **kw)[0] == "flex"
     with pytest.raises(UserError, match="impl='auto'"):
-        select_path("cpu", s, AttnOptions(impl="flex"), (1, 4, 512, 64), 512, grad=True, **kw)
+        select_path("cpu", s, AttnOptions(impl="flex"), (1, 4, L, 64), L, grad=True, **kw)
 
 
 def test_a_full_kernel_sends_fire_rows_to_the_split_path_with_one_warning(monkeypatch):

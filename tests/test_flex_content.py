@@ -105,10 +105,10 @@ def test_selection_rule():
     flex.AUTO_CONTENT; never with a per-query temperature, sinks, blocks or after a KV cache (Lq != Lk)."""
     s = _fox()
     kw = dict(same_pos=False, starts=(0, 0), dense_bias=False, grad=True, folded=True, same_keys=True)
-    shape = (2, 3, 512, 64)
+    shape = (2, 3, flex.MIN_LENGTH, 64)
 
     def path(dev="cuda", opts=AttnOptions(impl="flex"), **over):
-        return select_path(dev, s, opts, shape, 512, **{**kw, **over})[0]
+        return select_path(dev, s, opts, shape, shape[2], **{**kw, **over})[0]
 
     want = "flex-content" if flex.supported("cuda", 64, torch.float32) else "folded"
     assert path() == "flex-content"

@@ -52,6 +52,16 @@ def test_plan_keeps_torch_defaults_where_nothing_is_gathered_and_off_cuda():
     assert plan(None, torch.bfloat16, 64, gather=True) == [None]  # eager FlexAttention: nothing to choose
 
 
+def test_heavy_score_mods_start_on_small_tiles_in_every_dtype():
+    """FIRE's rows beyond L (an MLP per score element) ran 4.5x slower on the (128, 64, 3, 4) rung than on 64 x 64
+    tiles with 2 stages on an H100: a heavy score_mod starts there, bf16 and fp32 alike, and keeps a smaller rung."""
+    for dt in (torch.bfloat16, torch.float32):
+        first, second = plan(H100, dt, 64, gather=True, heavy=True)
+        assert first == flex_tiles.HEAVY.options() and second == LADDER[-1].options()
+        assert (first["fwd_BLOCK_M"], first["fwd_BLOCK_N"], first["fwd_num_stages"]) == (64, 64, 2)
+    assert plan(None, torch.bfloat16, 64, gather=True, heavy=True) == [None]
+
+
 @pytest.mark.parametrize("shared", [101376, 166912, 232448])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_plan_fits_smaller_devices_and_larger_heads(shared, head_dim):
@@ -154,7 +164,8 @@ def test_out_of_resource_on_every_rung_runs_the_toeplitz_path_with_one_warning(m
 
 
 def test_out_of_resource_fire_rows_take_the_split_path(monkeypatch):
-    _compiled(monkeypatch, fail=None)
+    """FIRE's rows beyond L ask for the heavy rungs (both tried), then run the split path with one warning."""
+    c = _compiled(monkeypatch, fail=None)
     s = positional.build("fire", num_heads=4, original_length=16)
     q, k, v = _qkv(96)
     pos = torch.arange(96)  # L = 16: most queries beyond L, the flex rows' region
@@ -162,6 +173,7 @@ def test_out_of_resource_fire_rows_take_the_split_path(monkeypatch):
         got, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex"))
         ref, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="sdpa"))
     assert torch.equal(got, ref)
+    assert c.fn.calls == plan(H100, torch.bfloat16, 64, gather=True, heavy=True)
 
 
 def test_out_of_resource_through_a_real_dynamo_compile_retries_and_recompiles(monkeypatch):

@@ -54,7 +54,9 @@ from .tables import DistanceBias, arange_start, is_toeplitz, table_dtype
 from .toeplitz import TOEPLITZ_BLOCK, toeplitz_attention
 from .twopass import twopass_attention
 
-IMPLS = ("auto", "sdpa", "plain", "blocked", "flex")
+#: "folded": an ALiBi-form bias (``alibi_slopes``) at increasing positions on the folded path (row 4 of
+#: docs/attention.md's table) even where its positions are contiguous, e.g. to time it beside FlexAttention
+IMPLS = ("auto", "sdpa", "plain", "blocked", "flex", "folded")
 #: query rows per block for schemes with score-level hooks: a block over keys up to its last query
 #: holds L·rows/2 masked entries, so small blocks skip most of the upper triangle (chosen by hand)
 SCORE_BLOCK = 64
@@ -199,7 +201,10 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
                             "use impl='auto' on CPU or run on CUDA")
         return True
 
-    if folded and not dense_bias and (content or tau_rows or not toeplitz or sinks):
+    if impl == "folded" and not (folded and not dense_bias):
+        raise UserError(f"impl='folded' needs an ALiBi-form bias at increasing positions (ALiBi, FoX); scheme "
+                        f"{scheme.name!r} has none here: use impl='auto'")
+    if folded and not dense_bias and (content or tau_rows or not toeplitz or sinks or impl == "folded"):
         if content and same_keys and not tau_rows and not sinks and not blocked and take_flex("content"):
             return "flex-content", None  # the key term in FlexAttention's score_mod
         return "folded", fold_block(opts.block_size, blocked)
@@ -296,7 +301,8 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
     same = (bias_free or slopes is not None) and Lq == Lk and (q_pos is k_pos or torch.equal(q_pos, k_pos))  # (a device sync: only when it matters)
     starts = _contiguous_starts(bias, q_pos, k_pos) if dense is None else (None, None)
     folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows
-                                     or sinks is not None) and _increasing(bias, q_pos) and _increasing(bias, k_pos)
+                                     or sinks is not None or opts.impl == "folded") \
+        and _increasing(bias, q_pos) and _increasing(bias, k_pos)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     db, split = bias if isinstance(bias, DistanceBias) else None, None
     if dense is None and starts[0] is not None and scheme.toeplitz_rows() is not None:

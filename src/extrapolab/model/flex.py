@@ -57,22 +57,24 @@ BLOCK = 128  # FlexAttention's default sparse block size (queries x keys)
 #: compiled graphs the kernel may keep per process (torch's own default is 8): a GPU sweep needs
 #: ~12 per bias scheme (train, validation, each evaluation length and batch, bf16 and fp32)
 RECOMPILE_LIMIT = 64
-#: the automatic rule takes FlexAttention only for sequences at least this long (docs/attention.md):
-#: below it the Toeplitz path's dense mask is at most H x 512 x 512 per block, and a compile per new
-#: length costs more than it saves; smoke runs (L = 32) and the regular-language tasks (a random
-#: length per step) then never compile
-MIN_LENGTH = 512
+#: the automatic rule takes FlexAttention only for sequences at least this long (docs/attention.md): below
+#: it the Toeplitz path (the distance table's dense mask, memory-efficient SDPA) is faster on an H100 -- at
+#: 16 x 512 Qin's train step took 1.11x NoPE's there against flex's 1.54x, its forward 1.50x against 1.87x
+#: (docs/results/gpu-h100.md; no length between 512 and 32,768 measured yet) -- and a compile per new length
+#: costs more than it saves; smoke runs (L = 32) and the regular-language tasks (a random length per step)
+#: then never compile
+MIN_LENGTH = 1024
 #: learnable distance tables on this path train with their gradient from :mod:`.table_grad` (the flex kernel reads
 #: them detached: no atomics); False: FlexAttention's own gradient, one fp32 atomic add per score element (T5 2.98x
 #: NoPE's train step on an H100, docs/results/gpu-h100.md)
 TABLE_GRAD = True
-#: the automatic rule trains learnable tables here too (else on the Toeplitz path's dense mask, 1.31x for T5 on that
-#: H100). Off until a GPU times the two side by side (gpu-check's t5@flex rows): that run's flex forward+backward
-#: with a gathered table and no gradient (Qin, 1.45x) was already slower than the dense mask with one
+#: the automatic rule trains learnable tables here too (else on the Toeplitz path's dense mask). Off, as measured on
+#: an H100 (2026-11-27, GPT-2 small, bf16, 16 x 512, docs/results/gpu-h100.md): train step x NoPE's on this path
+#: with table_grad's kernel against the dense mask's: T5 2.08 vs 1.29, KERPLE-log 2.05 vs 1.22, FIRE 4.79 vs 2.28
 AUTO_TABLE_GRAD = False
 #: the automatic rule runs positions from content (FoX) on FlexAttention too, their gradient from
-#: :mod:`.flex_content`'s kernel (else the folded path: flash SDPA with extra head dimensions, FoX 1.81x NoPE's step
-#: on the H100). Off until a GPU times the two (gpu-check's fox@flex row)
+#: :mod:`.flex_content`'s kernel (else the folded path: flash SDPA with extra head dimensions). Off, as measured on
+#: that H100: FoX's train step 2.02x NoPE's here against 1.81x on the folded path
 AUTO_CONTENT = False
 MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks(seq_lengths=...) and the CPU template used here
 _COMPILED: list = []  # the compiled kernel, made on first CUDA use
@@ -139,7 +141,7 @@ class Compiled:
     split path with a one-line warning). With gradients the backward is compiled together with the forward
     (``force_non_lazy_backward_lowering``), so a backward that does not fit fails here too, where the next
     rung can still be tried, and never later inside ``loss.backward()``. The rung that compiled is kept per
-    (device, dtype, head size, gather, grad); :attr:`events` records every first call of a new shape (its
+    (device, dtype, head size, gather, grad, heavy); :attr:`events` records every first call of a new shape (its
     options, whether it compiled, seconds) for ``extrapolab bench``."""
 
     def __init__(self, limit: int = RECOMPILE_LIMIT) -> None:
@@ -147,18 +149,18 @@ class Compiled:
 
         self.limit, self.full = int(limit), False
         self.fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
-        self.rung: dict = {}  # (device, dtype, head size, gather, grad) -> index into the plan, or None: none fits
+        self.rung: dict = {}  # (device, dtype, head size, gather, grad, heavy) -> plan index; None: none fits
         self.seen: set = set()  # shapes called before (their first call compiled)
         self.events: list[dict] = []
 
-    def __call__(self, q, k, v, *, gather: bool = True, **kw):
+    def __call__(self, q, k, v, *, gather: bool = True, heavy: bool = False, **kw):
         from torch._dynamo import config as dcfg, exc
 
         limits = {"recompile_limit": self.limit, "fail_on_recompile_limit_hit": True,
                   "accumulated_recompile_limit": max(4 * self.limit, dcfg.accumulated_recompile_limit)}
         grad = torch.is_grad_enabled()  # a captured table may need the gradient when q, k, v do not
-        key = (str(q.device), q.dtype, q.shape[-1], bool(gather), grad)
-        options = flex_tiles.plan(flex_tiles.device_info(q.device), q.dtype, q.shape[-1], gather)
+        key = (str(q.device), q.dtype, q.shape[-1], bool(gather), grad, bool(heavy))
+        options = flex_tiles.plan(flex_tiles.device_info(q.device), q.dtype, q.shape[-1], gather, heavy)
         start = self.rung.get(key, 0)
         if start is None:
             raise OutOfResource(options)
@@ -186,9 +188,9 @@ class Compiled:
         raise OutOfResource(options[start:])
 
     def _event(self, shape, options, status: str, seconds: float) -> None:
-        dev, dtype, D, gather, grad, qshape, Lk, rung = shape
+        dev, dtype, D, gather, grad, heavy, qshape, Lk, rung = shape
         self.events.append({"device": dev, "dtype": str(dtype).replace("torch.", ""), "head_dim": D,
-                            "gather": gather, "grad": grad, "q_shape": list(qshape), "Lk": Lk, "rung": rung,
+                            "gather": gather, "heavy": heavy, "grad": grad, "q_shape": list(qshape), "Lk": Lk, "rung": rung,
                             "options": flex_tiles.describe(options), "status": status,
                             "seconds": round(seconds, 3)})
 
@@ -205,7 +207,7 @@ def _backward_with_forward(grad: bool):
     return fcfg.patch(force_non_lazy_backward_lowering=True)
 
 
-def _eager(q, k, v, *, gather: bool = True, **kw):
+def _eager(q, k, v, *, gather: bool = True, heavy: bool = False, **kw):
     """Eager flex_attention (CPU tests): no tiles to choose."""
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -418,4 +420,4 @@ def flex_rows_path(q, k, v, a: int, c: int, scheme, layer: int, *, scale: float,
 
         def mod(score, b, h, q_idx, kv_idx):
             return (score + bias(h, q_idx, kv_idx) * inv_h[h]) * inv_tau
-    return kernel(dev.type)(q, k, v, gather=True, score_mod=mod, block_mask=bm, scale=scale)
+    return kernel(dev.type)(q, k, v, gather=True, heavy=True, score_mod=mod, block_mask=bm, scale=scale)

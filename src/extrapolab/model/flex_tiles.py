@@ -84,14 +84,25 @@ def fwd_shared_bytes(block_m: int, block_n: int, stages: int, head_dim: int, ele
     return staged + ((stages - 1) * block_m * block_n * 4 if gather else 0)
 
 
-def plan(device: Device | None, dtype: torch.dtype, head_dim: int, gather: bool) -> list[dict | None]:
+#: the first rung of a heavy score_mod (FIRE's rows beyond L: a W-unit MLP unrolled per score element, ~100
+#: registers' worth of live values per element): FIRE's 32,768-token forward on an H100 took 15.4x NoPE's with
+#: 64 x 64 tiles and 2 stages (2026-11-26) and 69.0x with the (128, 64, 3, 4) rung (2026-11-27; same score_mod,
+#: no gradient): a bigger tile holds more elements per thread and spills
+HEAVY = LADDER[2]
+
+
+def plan(device: Device | None, dtype: torch.dtype, head_dim: int, gather: bool,
+         heavy: bool = False) -> list[dict | None]:
     """The kernel options to try, in order: [first, smaller rung]. ``None`` = torch's own default config.
 
     With a gather and 16-bit inputs the first is the largest rung that fits ``device``'s shared memory;
     otherwise torch's default, whose shapes fit wherever nothing is gathered (and fp32's default tiles are
-    small). Off CUDA (eager FlexAttention) there is nothing to choose: [None]."""
+    small). A ``heavy`` score_mod (per-element work beyond a gather: FIRE's MLP) starts at :data:`HEAVY` in any
+    dtype. Off CUDA (eager FlexAttention) there is nothing to choose: [None]."""
     if device is None:
         return [None]
+    if heavy:
+        return [HEAVY.options(), LADDER[-1].options()]
     elem = torch.empty((), dtype=dtype).element_size()
     fits = [r for r in LADDER
             if fwd_shared_bytes(*r.fwd[:3], head_dim, elem, gather) <= device.shared_bytes - MARGIN]
