@@ -22,6 +22,7 @@ from torch import nn
 from .. import positional
 from ..positional.base import PositionalScheme
 from ..positional.layout import LayerType
+from ..positional.positions import arange_positions, top
 from .attention import AttnOptions
 from .attn_extras import AttnExtras
 from .cache import KVCache  # (also importable from here, as before the split)
@@ -224,8 +225,8 @@ class GPT(nn.Module):
         L = idx.shape[1] if inputs_embeds is None else inputs_embeds.shape[1]
         dev = idx.device if inputs_embeds is None else inputs_embeds.device
         if positions is None:
-            positions = torch.arange(L, device=dev)
-        self.scheme.check_length(int(positions.max()) + 1 if positions.numel() else 0)
+            positions = arange_positions(0, L, dev)  # [L], its layout known on the host (no device reads)
+        self.scheme.check_length(top(positions))
         opts = opts or self.attn_opts
         self.check_opts(opts)
         if return_probs:

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from ..positional.base import PositionalScheme, ScoreBlock, causal_distance
+from ..positional.positions import known_start
 from .sdpa import sdpa
 from .sinks import sink_sdpa
 
@@ -270,7 +271,8 @@ def dense_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int 
     bs = Lq if block is None or need_probs else max(1, min(int(block), Lq))
     # keys sorted by position: a block never needs keys after its last query (nor, fused, before
     # its window); probabilities keep every column
-    skip = not need_probs and (Lk < 2 or bool(torch.all(k_pos[1:] >= k_pos[:-1])))
+    q0, k0 = known_start(q_pos), known_start(k_pos)  # contiguous positions known on the host: no device reads
+    skip = not need_probs and (Lk < 2 or k0 is not None or bool(torch.all(k_pos[1:] >= k_pos[:-1])))
     explicit = not fused or scheme.has_weight or sink is not None or bool(scheme.reference_only)
     acc = scheme.accumulates and content is not None
     state = content[1].to(torch.float64, copy=True) if acc else None  # [B, H, Lk] the keys' accumulated selection
@@ -285,7 +287,11 @@ def dense_attention(q, k, v, q_pos, k_pos, scheme: PositionalScheme, layer: int 
     for s in starts:
         e = min(Lq, s + bs)
         qp, lo, hi = q_pos[s:e], 0, Lk
-        if skip:
+        if skip and q0 is not None and k0 is not None:  # the same searches on the host
+            hi = min(Lk, max(0, q0 + e - k0))
+            if window is not None and not explicit:
+                lo = min(Lk, max(0, q0 + s - window + 1 - k0))
+        elif skip:
             hi = int(torch.searchsorted(k_pos, qp.max(), right=True))
             if window is not None and not explicit:
                 lo = int(torch.searchsorted(k_pos, qp.min() - window + 1))

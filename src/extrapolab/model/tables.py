@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..positional.base import PositionalScheme, RelativeBias, causal_distance
+from ..positional.positions import known_start
 
 
 def is_toeplitz(scheme: PositionalScheme, allow_weight: bool = False) -> bool:
@@ -30,6 +31,9 @@ def arange_start(pos: torch.Tensor) -> int | None:
     n = pos.numel()
     if n == 0 or pos.dim() != 1:
         return None
+    known = known_start(pos)
+    if known is not None:
+        return known
     p0 = int(pos[0])
     if n > 1 and (int(pos[-1]) - p0 != n - 1 or not bool(torch.all(pos[1:] - pos[:-1] == 1))):
         return None
@@ -73,7 +77,8 @@ class DistanceBias:
 
     def increasing(self, pos: torch.Tensor) -> bool:
         """Strictly increasing positions, memoised (within this forward) like :meth:`starts`."""
-        return _by_id(self._increasing, pos, lambda: pos.numel() < 2 or bool(torch.all(pos[1:] > pos[:-1])))
+        return _by_id(self._increasing, pos, lambda: pos.numel() < 2 or known_start(pos) is not None
+                      or bool(torch.all(pos[1:] > pos[:-1])))
 
     def memo(self, key, make):
         """``make()`` once per forward for ``key``, shared by every layer: the flex path's block mask

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .base import PositionalScheme, SchemeError
+from .positions import top
 from .registry import register
 
 
@@ -47,8 +48,8 @@ class LearnedAPE(PositionalScheme):
             )
 
     def embed(self, positions, dim):
-        if positions.numel() and int(positions.max()) >= self.max_length:
-            self.check_length(int(positions.max()) + 1)
+        if top(positions) > self.max_length:
+            self.check_length(top(positions))
         return self.table[positions]  # [L, dim]
 
     def options(self):

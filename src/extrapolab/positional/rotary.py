@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 
 from .base import PositionalScheme, SchemeError
+from .positions import known_start, top
 from .registry import register
 from .turn import turn_pair
 
@@ -116,10 +117,10 @@ class Rotary(PositionalScheme):
         for memo in self._rows:
             if memo[0] is positions and memo[1] == key and version is not None and memo[2] == version:
                 return memo[3], memo[4]  # the same positions tensor again (k after q, the next layer)
-        n = int(positions.max()) + 1 if positions.numel() else 1
+        n, known = max(1, top(positions)), known_start(positions)
         C, S = self.tables(n, d_head, positions.device, dtype, length)
-        L, p0 = positions.numel(), int(positions[0]) if positions.numel() else 0
-        if L and n - p0 == L and (L == 1 or bool((positions[1:] > positions[:-1]).all())):
+        L, p0 = positions.numel(), (known if known is not None else int(positions[0]) if positions.numel() else 0)
+        if L and n - p0 == L and (L == 1 or known is not None or bool((positions[1:] > positions[:-1]).all())):
             c, s = C[p0:n], S[p0:n]  # p0..p0+L-1 in order (increasing integers): a view, no gather
         else:
             c, s = C[positions], S[positions]  # [L, d_head]
@@ -133,7 +134,7 @@ class Rotary(PositionalScheme):
         memo = self._len
         if memo is not None and memo[0] is q_pos and memo[1] is k_pos and None not in versions and memo[2] == versions:
             return memo[3]  # the next layer: the same positions, read once per forward
-        length = max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0) + 1
+        length = max(top(q_pos), top(k_pos), 1)
         self._len = (q_pos, k_pos, versions, length)
         return length
 

@@ -31,6 +31,7 @@ import math
 import torch
 
 from .base import SchemeError
+from .positions import known_start, top
 from .registry import register
 from .rotary import Rotary
 from .turn import turn_pair
@@ -110,15 +111,15 @@ class XPos(Rotary):
         key = (d_head, dtype, torch.is_inference_mode_enabled())
         if memo is not None and memo[0] is pos and memo[1] == key and version is not None and memo[2] == version:
             return memo[3]
-        n = int(pos.max()) + 1 if pos.numel() else 1
+        n, known = max(1, top(pos)), known_start(pos)
         if dtype == torch.float16 and pos.numel():
             half = max_offset(self.scale_base, self.gamma, HALF_RANGE)
-            if max(n - 1 - self.center, self.center - int(pos.min())) > half:
+            if max(n - 1 - self.center, self.center - (known if known is not None else int(pos.min()))) > half:
                 raise SchemeError(f"xpos in float16 reaches only {half} positions from its center; "
                                   "use bf16 or fp32 (--dtype bf16) or move model.scheme_params.center")
         tables = self.xpos_tables(n, d_head, pos.device, dtype)
-        L, p0 = pos.numel(), int(pos[0]) if pos.numel() else 0
-        if L and n - p0 == L and (L == 1 or bool((pos[1:] > pos[:-1]).all())):
+        L, p0 = pos.numel(), (known if known is not None else int(pos[0]) if pos.numel() else 0)
+        if L and n - p0 == L and (L == 1 or known is not None or bool((pos[1:] > pos[:-1]).all())):
             rows = tuple(t[p0:n] for t in tables)  # p0..p0+L-1 in order: views, no gather
         else:
             rows = tuple(t[pos] for t in tables)  # [L, d_head] each

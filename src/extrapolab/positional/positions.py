@@ -1,0 +1,41 @@
+"""Position tensors whose layout is known on the host.
+
+A forward asks of its positions the largest (the scheme's length check, a rotary table's size), the first, and
+whether they are contiguous and increasing (the Toeplitz, folded and rotary fast paths). Read from a CUDA tensor,
+each answer is a host sync: the host waits for every kernel queued before it, and a training step whose host
+runs ahead of the GPU (GPT-2 small at 16 x 512 on an H100: 37.8 ms a step with 26.7 ms of kernels,
+docs/results/gpu-h100.md) loses that lead at every read. Positions made by :func:`arange_positions` carry their
+start on the host, so those questions cost nothing; any other tensor is read as before.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's in-place version (None for inference tensors, which have none)."""
+    return None if t.is_inference() else t._version
+
+
+def arange_positions(start: int, n: int, device) -> torch.Tensor:
+    """start .. start + n - 1 [n] (int64) on ``device``, its start kept on the host for :func:`known_start`."""
+    pos = torch.arange(start, start + n, device=device)  # [n]
+    pos._arange_start = (int(start), _version(pos))
+    return pos
+
+
+def known_start(pos: torch.Tensor) -> int | None:
+    """The start of positions made by :func:`arange_positions` and not changed in place since, else None (then the
+    caller reads the device). Views, slices and copies carry no start."""
+    tag = getattr(pos, "_arange_start", None)
+    if tag is None or tag[1] != _version(pos) or pos.dim() != 1:
+        return None
+    return tag[0]
+
+
+def top(pos: torch.Tensor) -> int:
+    """max(pos) + 1 (0 for no positions), from the host where the start is known."""
+    if not pos.numel():
+        return 0
+    p0 = known_start(pos)
+    return p0 + pos.numel() if p0 is not None else int(pos.max()) + 1

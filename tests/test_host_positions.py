@@ -1,0 +1,59 @@
+"""A training step reads nothing back from the device (positional/positions.py).
+
+The H100 profile of GPT-2 small at 16 x 512 (docs/results/gpu-h100.md) showed the step host-bound: 37.8 ms a step
+for 26.7 ms of kernels with NoPE, 50.3 ms for 28.1 ms with rotary. Every read of a CUDA value (the positions'
+largest, first, last, whether they increase) makes the host wait for the queued kernels; a step made 4 of them
+(NoPE) to 7 (rotary, xPos). The model's own positions now carry their layout on the host, so a step with them makes
+none, for every scheme outside the reference path; positions passed in are read as before, with the same result.
+"""
+import pytest
+import torch
+
+from extrapolab import positional
+from extrapolab.model.gpt import GPT, ModelConfig
+from extrapolab.positional.positions import arange_positions, known_start, top
+from flexspy import CountSyncs
+
+NAMES = [n for n in positional.names() if not positional.build(n, num_heads=2).reference_only]
+
+
+def _model(name, L=64):
+    torch.manual_seed(0)
+    return GPT(ModelConfig(scheme=name, vocab_size=64, dim=32, heads=2, layers=3, train_length=L))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_train_step_on_the_models_own_positions_reads_nothing_back(name):
+    m = _model(name)
+    idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    m(idx).float().square().mean().backward()  # first step: tables built (their one-off reads allowed)
+    m.zero_grad()
+    with CountSyncs() as c:
+        m(idx).float().square().mean().backward()
+    assert c.calls == [], (name, c.calls)
+
+
+@pytest.mark.parametrize("name", ["rotary", "xpos", "rotary-dynamic", "rotary-longrope", "learned", "alibi", "t5",
+                                  "fire", "fox", "cope"])
+def test_known_positions_give_what_reading_them_gives(name):
+    """The same logits from the model's own positions (layout on the host) and from an equal tensor passed in
+    (layout read from the device), at an offset start too."""
+    m = _model(name, L=48).eval()
+    idx = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for start in (0, 5):
+            got = m(idx, positions=arange_positions(start, 40, "cpu"))
+            want = m(idx, positions=torch.arange(start, start + 40))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_only_untouched_positions_carry_their_start():
+    pos = arange_positions(3, 10, "cpu")
+    assert known_start(pos) == 3 and top(pos) == 13
+    assert known_start(pos[2:]) is None and known_start(pos.clone()) is None  # slices, copies: read as usual
+    assert top(pos[2:5]) == 8 and top(torch.tensor([4, 1, 9])) == 10 and top(pos[:0]) == 0
+    pos.add_(1)  # changed in place: the host's start is stale, so it is not used
+    assert known_start(pos) is None and top(pos) == 14
+    with torch.inference_mode():
+        inf = arange_positions(0, 4, "cpu")
+    assert known_start(inf) == 0 and top(inf) == 4
