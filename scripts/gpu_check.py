@@ -12,7 +12,8 @@ in one pass, each stage with a time limit (about 15 minutes on a bare H100 machi
 4. one profiled train step per scheme that misses a goal (`bench --groups profile`: its CUDA kernels by time);
 5. a one-process `torchrun` training run (the multi-GPU path's code at world size 1: NCCL on CUDA);
 
-then prints the goals met or missed and writes OUT/gpu-check.md (and docs/results/gpu-<gpu>.md): the GPU's name,
+then prints the goals met or missed and writes OUT/gpu-check.md (and docs/results/gpu-<gpu>.md with a dated copy,
+gpu-<gpu>-<date>.md, that the next run leaves in place): the GPU's name,
 torch, CUDA, triton, the command, each stage's wall time and outcome. `--dry-run` runs the same stages at toy
 sizes on the CPU (gloo), which the test suite uses to check this script's plumbing.
 """
@@ -45,7 +46,7 @@ TRAIN_CHUNKS = {"a1": ("rotary", "xpos", "hybrid", "nope-headscale"), "a2": ("al
 LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"] + ("alibi@folded",),
                "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"]}
 SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
-#: stage -> seconds it may take, from the first run on a bare H100 machine (torch 2.11; docs/results/gpu-h100.md):
+#: stage -> seconds it may take, from the first runs on a bare H100 machine (torch 2.11; docs/results/gpu-h100-2026-11-2*.md):
 #: every FlexAttention kernel compiles cold there (3-20 s each; ALiBi, Sandwich and windowed training did not
 #: finish warming up in 60 s, the long rows' flex schemes 15-40 s per length), so the whole check is ~15
 #: minutes, over the 8 hoped for: on a machine whose commands stop at 10 minutes, run it as two commands
@@ -72,6 +73,7 @@ def _env() -> dict:
                                         text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         info["commit"] = "unknown (no git)"
+    info["date"] = time.strftime("%Y-%m-%d")
     return info
 
 
@@ -255,8 +257,10 @@ def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
     (out / "gpu-check.md").write_text(text)
     if not dry:
         slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
-        dest = ROOT / "docs" / "results" / f"gpu-{'h100' if 'h100' in slug else slug}.md"
-        dest.write_text(text)
+        name = f"gpu-{'h100' if 'h100' in slug else slug}"  # the latest run, and a dated copy that the next keeps
+        for dest in (ROOT / "docs" / "results" / f"{name}.md",
+                     ROOT / "docs" / "results" / f"{name}-{env.get('date') or time.strftime('%Y-%m-%d')}.md"):
+            dest.write_text(text)
     print(text, flush=True)
 
 

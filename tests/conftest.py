@@ -10,7 +10,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Under xdist each worker compiles its own kernels: one inductor compile process per worker, not a pool of one
 # per CPU in every worker (16 workers x 16 pool processes importing torch stalled every compile on a 16-core
-# GPU machine; docs/results/gpu-h100.md)
+# GPU machine; docs/results/gpu-h100-2026-11-26.md)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 

@@ -66,7 +66,7 @@ RECOMPILE_LIMIT = 64
 MIN_LENGTH = 1024
 #: learnable distance tables on this path train with their gradient from :mod:`.table_grad` (the flex kernel reads
 #: them detached: no atomics); False: FlexAttention's own gradient, one fp32 atomic add per score element (T5 2.98x
-#: NoPE's train step on an H100, docs/results/gpu-h100.md)
+#: NoPE's train step on an H100, docs/results/gpu-h100-2026-11-26.md)
 TABLE_GRAD = True
 #: the automatic rule trains learnable tables here too (else on the Toeplitz path's dense mask). Off, as measured on
 #: an H100 (2026-11-27, GPT-2 small, bf16, 16 x 512, docs/results/gpu-h100.md): train step x NoPE's on this path

@@ -2,8 +2,8 @@
 "Learnable tables on the flex path").
 
 FlexAttention differentiates a captured tensor that its ``score_mod`` indexes with one fp32 atomic add per score
-element (torch's ``zeros_and_scatter``): training T5 or KERPLE through it took 16.5x bias-free attention on an H100
-(docs/results/gpu-h100.md). Here the flex kernel runs with the table *detached* (its dq, dk, dv are exact for a
+element (torch's ``zeros_and_scatter``): training T5 or KERPLE through it took 15-16x bias-free attention on an H100
+(docs/results/gpu-h100-2026-11-26.md). Here the flex kernel runs with the table *detached* (its dq, dk, dv are exact for a
 constant bias) and returns its log-sum-exp; :func:`attach` hangs the table's own gradient on the output. For the
 logits l = (q·k·scale + b[h, d]) · inv_tau, d = off + m - n, of a softmax with output O and incoming gradient dO
 (the flash-attention backward, Dao 2023, Algorithm 2):

@@ -2,7 +2,7 @@
 :mod:`.rotary`; xPos's rows carry its decay in C and S, Sun et al. 2023 §3.2), eager or as one fused kernel.
 
 Eager, the rotation is a flip copy, a multiply and an add forward and about as many kernels backward, each
-reading and writing all of q or k: on one H100 (bf16, GPT-2 small, 16 x 512; docs/results/gpu-h100.md)
+reading and writing all of q or k: on one H100 (bf16, GPT-2 small, 16 x 512; docs/results/gpu-h100-2026-11-26.md)
 rotary's train step took 1.23x NoPE's and its attention alone 2.2x, for arithmetic that is nothing beside
 the attention. On CUDA the rotation is one Triton kernel instead (as flash-attn's ``apply_rotary`` and
 Liger's RoPE kernel do): it reads x, C and S once, computes in fp32, writes y once; backward is the
