@@ -46,7 +46,8 @@ TRAIN_CHUNKS = {"a1": ("rotary", "xpos", "hybrid", "nope-headscale"), "a2": ("al
 LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"] + ("alibi@folded",),
                "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"]}
 SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
-#: stage -> seconds it may take, from the first runs on a bare H100 machine (torch 2.11; docs/results/gpu-h100-2026-11-2*.md):
+#: stage -> seconds it may take, from the first runs on a bare H100 machine (torch 2.11;
+#: docs/results/gpu-h100-2026-11-2*.md):
 #: every FlexAttention kernel compiles cold there (3-20 s each; ALiBi, Sandwich and windowed training did not
 #: finish warming up in 60 s, the long rows' flex schemes 15-40 s per length), so the whole check is ~15
 #: minutes, over the 8 hoped for: on a machine whose commands stop at 10 minutes, run it as two commands

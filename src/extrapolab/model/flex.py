@@ -190,7 +190,8 @@ class Compiled:
     def _event(self, shape, options, status: str, seconds: float) -> None:
         dev, dtype, D, gather, grad, heavy, qshape, Lk, rung = shape
         self.events.append({"device": dev, "dtype": str(dtype).replace("torch.", ""), "head_dim": D,
-                            "gather": gather, "heavy": heavy, "grad": grad, "q_shape": list(qshape), "Lk": Lk, "rung": rung,
+                            "gather": gather, "heavy": heavy, "grad": grad, "q_shape": list(qshape), "Lk": Lk,
+                            "rung": rung,
                             "options": flex_tiles.describe(options), "status": status,
                             "seconds": round(seconds, 3)})
 

@@ -107,6 +107,12 @@ class DistanceBias:
         key = (kind, self.layer_key(layer))
         t = self._tables.get(key)
         if t is None or t.shape[-1] < n:
+            every = None
+            if kind == "bias" and self.scheme.has_bias and self.scheme.layer_dependent and self.scheme.learnable:
+                every = self.scheme.distance_tables(n, self.device, self.dtype)  # [G, H, n] or None
+            if every is not None and key[1] < every.shape[0]:  # all layers in one set of kernels (FIRE's MLPs)
+                self._tables.update({("bias", g): every[g] for g in range(every.shape[0])})
+                return every[key[1]][:, :n]
             if kind == "weight":
                 dist = torch.arange(n, device=self.device)
                 t = self.scheme.weight_from_distance(dist, key[1]).to(self.dtype)  # [H, n]

@@ -308,6 +308,12 @@ class RelativeBias(PositionalScheme):
         """Multiplicative kernel on q·k, [H, ...]; only for ``has_weight`` schemes."""
         raise NotImplementedError
 
+    def distance_tables(self, n: int, device=None, dtype=torch.float32) -> torch.Tensor | None:
+        """[G, H, n]: every layer's table for distances 0..n-1 at once, for a learnable layer-dependent scheme that
+        can batch its layers (a training forward then builds them in one set of kernels instead of one per layer);
+        None (the default): :class:`~extrapolab.model.tables.DistanceBias` builds them layer by layer."""
+        return None
+
     # ---- distance tables: O(H·L) work, then a gather ----------------------------------
     def distance_table(
         self, n: int, layer: int = 0, device=None, dtype=torch.float32

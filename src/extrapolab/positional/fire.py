@@ -137,6 +137,32 @@ class FIRE(RelativeBias):
         beta = (w2 * w1) @ active.T  # [H, K+1]
         return t, alpha, beta
 
+    def distance_tables(self, n: int, device=None, dtype=torch.float32) -> torch.Tensor | None:
+        """[G, H, n]: every layer's distance table f_θ(ψ(d)/ψ(L)) at once, the per-layer formulas
+        (:meth:`normalised`, :meth:`pieces`, :meth:`piecewise`) batched over the G layers: a training forward
+        builds twelve layers' tables in ~25 kernels instead of ~25 per layer (FIRE's train step on an H100 was
+        host-bound: 2,679 launches against NoPE's 930). None when shared (one table already)."""
+        if self.shared:
+            return None
+        dt, H = self.c.dtype, self.num_heads
+        dist = torch.arange(n, device=device, dtype=dt)  # [n]
+        thr = (self.L_mult.abs() * self.original_length).to(dt)  # [G] L per layer
+        psi = torch.log1p((self.c[:, None] * dist).abs())  # [G, n] ψ(d)
+        x = psi * (1.0 / (torch.log1p((self.c * thr).abs()) + self.eps))[:, None]  # [G, n] ψ(d)/ψ(L)
+        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2  # [G, W], [G, W], [G, H, W], [G, H]
+        w1d, b1d = w1.detach(), b1.detach()
+        nz = w1d != 0
+        t = torch.where(nz, -b1d / torch.where(nz, w1d, 1.0), torch.inf).sort(-1).values  # [G, K]
+        mids = torch.cat([t[:, :1] - 1, (t[:, 1:] + t[:, :-1]) / 2, t[:, -1:] + 1], 1)  # [G, K+1]
+        active = torch.where(nz[:, None], mids[..., None] * w1d[:, None] + b1d[:, None] > 0,
+                             b1d[:, None] > 0).to(w1.dtype)  # [G, K+1, W] units on in each piece
+        alpha = b2[..., None] + (w2 * b1[:, None]) @ active.transpose(1, 2)  # [G, H, K+1]
+        beta = (w2 * w1[:, None]) @ active.transpose(1, 2)  # [G, H, K+1]
+        s = torch.searchsorted(t.to(dt).contiguous(), x.detach().contiguous())  # [G, n] #{k : t_k < x}
+        s = s[:, None].expand(-1, H, -1)  # [G, H, n]
+        out = torch.addcmul(alpha.to(dt).gather(2, s), beta.to(dt).gather(2, s), x[:, None])  # [G, H, n]
+        return out.to(dtype)
+
     def piecewise(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """f_θ(x) [H, ...] through :meth:`pieces`: one piece index per x, then α_s + β_s·x per head (two
         1-D gathers and one multiply-add; no [..., width] hidden tensor)."""
