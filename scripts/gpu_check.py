@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (memory-efficient SDPA): the A/B behind flex.AUTO_TABLE_GRAD (T5, KERPLE, FIRE at its training length); fox@flex:
 #: FoX's positions from content in FlexAttention's score_mod (model/flex_content.py) beside its folded path (the A/B
 #: behind flex.AUTO_CONTENT); alibi@flex: a parameter-free table on FlexAttention beside the automatic rule's dense mask
-#: below flex.MIN_LENGTH (the A/B behind that length; Qin's measured it at 512 on 2026-11-27). Long rows: alibi@folded,
-#: ALiBi on the folded path (flash SDPA with extra head dimensions, FoX's 1.53x at 32,768) beside its flex path
+#: below flex.MIN_LENGTH (the A/B behind that length; Qin's measured it at 512 on 2026-11-27). Long rows: alibi@flex,
+#: ALiBi's forward on FlexAttention beside the folded path `auto` now takes (folded.LONG_EVAL, from FoX's 1.53x there)
 TRAIN_CHUNKS = {"a1": ("rotary", "xpos", "hybrid", "nope-headscale"), "a2": ("alibi", "sandwich", "windowed"),
                 "b1": ("qin-type1", "kerple-log", "t5"), "b2": ("fox", "fire"),
                 "c": ("t5@flex", "kerple-log@flex", "fire@flex", "fox@flex", "alibi@flex")}
-LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"] + ("alibi@folded",),
+LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"] + ("alibi@flex",),
                "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"]}
 SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: stage -> seconds it may take, from the first runs on a bare H100 machine (torch 2.11;

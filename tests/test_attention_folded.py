@@ -46,6 +46,26 @@ def _spy_paths(monkeypatch):
     return seen
 
 
+def test_auto_evaluates_long_alibi_on_cuda_on_the_folded_path(monkeypatch):
+    """On CUDA, `auto` evaluates ALiBi's form (no gradient, a whole sequence >= flex.MIN_LENGTH) on the folded flash
+    path (FoX's forward there: 1.53x NoPE's at 32,768 tokens on an H100, ALiBi's FlexAttention 2.69x); training,
+    shorter inputs, the CPU, impl='flex' and folded.LONG_EVAL = False keep their paths."""
+    from extrapolab.model import flex, folded
+
+    s = positional.build("alibi", num_heads=4)
+    L = flex.MIN_LENGTH
+    kw = dict(same_pos=False, starts=(0, 0), dense_bias=False, folded=True)
+
+    def path(dev="cuda", impl="auto", grad=False, n=L):
+        return attn_mod.select_path(dev, s, AttnOptions(impl=impl), (1, 4, n, 64), n, grad=grad, **kw)[0]
+    want_flex = "flex" if flex.supported("cuda", 64, torch.float32) else "toeplitz"
+    assert path() == "folded"
+    assert path(grad=True) == want_flex and path(n=L // 2) == "toeplitz" and path(dev="cpu") == "toeplitz"
+    assert path(impl="flex") == "flex" and path(impl="sdpa") == "toeplitz"
+    monkeypatch.setattr(folded, "LONG_EVAL", False)
+    assert path() == want_flex
+
+
 @pytest.mark.parametrize("kw", [{}, {"window": 30}])
 def test_impl_folded_runs_contiguous_alibi_on_the_folded_path(kw, monkeypatch):
     """impl='folded' (to time it beside FlexAttention, or to pick it): ALiBi at contiguous positions, which auto

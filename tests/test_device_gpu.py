@@ -72,7 +72,7 @@ def test_smoke_sweep_trains_and_evaluates_on_cuda(tmp_path):
 @pytest.fixture(scope="module", params=["alibi", "kerple-log"])
 def flex_run(request, tmp_path_factory):
     """A tiny run at head_dim 64 whose evaluation lengths (>= flex.MIN_LENGTH) take FlexAttention on
-    CUDA: a parameter-free and a learnable bias."""
+    CUDA (a learnable table), or the folded path (ALiBi's form: folded.LONG_EVAL)."""
     tmp = tmp_path_factory.mktemp("flexrun")
     corpus = tmp / "corpus"
     corpus.mkdir()
@@ -88,19 +88,25 @@ def flex_run(request, tmp_path_factory):
                          "eval.protocols=[nonoverlapping,last_token]", f"eval.num_tokens={4 * L}",
                          "eval.last_token_n=4"])
     train(cfg, tmp / "r", progress=False)
-    return tmp / "r"
+    return tmp / "r", request.param
 
 
 def test_flex_eval_on_cuda_matches_cpu_on_the_same_checkpoint(flex_run, monkeypatch):
-    """E1 and E3 through FlexAttention on CUDA (fp32, bf16) against the CPU's Toeplitz path."""
+    """E1 and E3 on CUDA (fp32, bf16) through the path `auto` takes there -- FlexAttention for KERPLE's table,
+    the folded flash path for ALiBi -- against the CPU's Toeplitz path."""
+    from extrapolab.model import attention as attn_mod
+
+    run, name = flex_run
     dense = eager_dense_calls(monkeypatch)
     calls, real = [], flex.flex_attention_path
-    monkeypatch.setattr(flex, "flex_attention_path", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    cpu = eval_run(flex_run, device="cpu", dtype="fp32")["result"]
+    monkeypatch.setattr(flex, "flex_attention_path", lambda *a, **kw: calls.append("flex") or real(*a, **kw))
+    real_fold = attn_mod.folded_attention
+    monkeypatch.setattr(attn_mod, "folded_attention", lambda *a, **kw: calls.append("folded") or real_fold(*a, **kw))
+    cpu = eval_run(run, device="cpu", dtype="fp32")["result"]
     assert not calls
-    gpu = eval_run(flex_run, device="cuda", dtype="fp32")["result"]
-    assert calls, "CUDA evaluation did not take the flex path"
-    bf16 = eval_run(flex_run, device="cuda", dtype="bf16")["result"]
+    gpu = eval_run(run, device="cuda", dtype="fp32")["result"]
+    assert set(calls) == {"folded" if name == "alibi" else "flex"}, (name, set(calls))
+    bf16 = eval_run(run, device="cuda", dtype="bf16")["result"]
     for proto in ("nonoverlapping", "last_token"):
         for L, v in cpu["ppl"][proto].items():
             assert gpu["ppl"][proto][L] == pytest.approx(v, rel=1e-3), (proto, L)

@@ -46,7 +46,7 @@ from ..io import UserError
 from ..positional.base import PositionalScheme
 from . import flex
 from .flex_content import flex_content_path
-from .folded import fold_block, folded_attention, token_positions
+from .folded import fold_block, folded_attention, pays_long_eval, token_positions
 from .reference import LogitsSink, dense_attention, row_tau, sink_rows
 from .sinks import sink_sdpa
 from .split import split_attention
@@ -204,7 +204,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     if impl == "folded" and not (folded and not dense_bias):
         raise UserError(f"impl='folded' needs an ALiBi-form bias at increasing positions (ALiBi, FoX); scheme "
                         f"{scheme.name!r} has none here: use impl='auto'")
-    if folded and not dense_bias and (content or tau_rows or not toeplitz or sinks or impl == "folded"):
+    long_fold = pays_long_eval(device, impl, grad, Lq, Lk, flex.MIN_LENGTH)  # ALiBi's evaluation on CUDA
+    if folded and not dense_bias and (content or tau_rows or not toeplitz or sinks or impl == "folded" or long_fold):
         if content and same_keys and not tau_rows and not sinks and not blocked and take_flex("content"):
             return "flex-content", None  # the key term in FlexAttention's score_mod
         return "folded", fold_block(opts.block_size, blocked)
@@ -300,10 +301,11 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
     bias_free = not scheme.has_bias and not scheme.has_weight and content is None and opts.window is None
     same = (bias_free or slopes is not None) and Lq == Lk and (q_pos is k_pos or torch.equal(q_pos, k_pos))  # (a device sync: only when it matters)
     starts = _contiguous_starts(bias, q_pos, k_pos) if dense is None else (None, None)
-    folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows
-                                     or sinks is not None or opts.impl == "folded") \
-        and _increasing(bias, q_pos) and _increasing(bias, k_pos)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    folded = slopes is not None and (starts[0] is None or starts[1] is None or content is not None or tau_rows
+                                     or sinks is not None or opts.impl == "folded"
+                                     or pays_long_eval(q.device.type, opts.impl, grad, Lq, Lk, flex.MIN_LENGTH)) \
+        and _increasing(bias, q_pos) and _increasing(bias, k_pos)
     db, split = bias if isinstance(bias, DistanceBias) else None, None
     if dense is None and starts[0] is not None and scheme.toeplitz_rows() is not None:
         db = db or DistanceBias(scheme, q.device, table_dtype(q))

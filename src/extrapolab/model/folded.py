@@ -151,6 +151,19 @@ def folded_attention(q, k, v, q_pos, k_pos, slopes, pq, pk, *, base_scale: float
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+#: the automatic rule evaluates ALiBi's form at contiguous positions here on CUDA (no gradient, a whole sequence of
+#: at least flex.MIN_LENGTH tokens) instead of on FlexAttention: on an H100 this path ran FoX's forward at 1.53x
+#: NoPE's at 32,768 tokens where ALiBi's flex forward took 2.69x (docs/results/gpu-h100-2026-11-27.md), and at
+#: 8,192 tokens 1.95x against 2.54x (the first H100 run) -- the same flash SDPA call with FoX's gates on top.
+#: ALiBi on this path is not timed yet: the GPU check's `alibi@flex` rows time the other side
+LONG_EVAL = True
+
+
+def pays_long_eval(device: str, impl: str, grad: bool, Lq: int, Lk: int, min_length: int) -> bool:
+    """Does `auto` fold a contiguous ALiBi-form bias (:data:`LONG_EVAL`)?"""
+    return LONG_EVAL and impl == "auto" and device == "cuda" and not grad and Lq == Lk and Lq >= min_length
+
+
 def fold_block(block_size: int, blocked: bool) -> int | None:
     """Query rows per call: ``block_size`` when blocked, else as the re-centring allows (None)."""
     return max(1, int(block_size)) if blocked else None
