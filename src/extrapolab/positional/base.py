@@ -50,6 +50,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .positions import inference_mode, inference_tensor
+
 
 class SchemeError(ValueError):
     """Bad scheme name or parameter; the message is one line that names the fix."""
@@ -122,7 +124,7 @@ class PositionalScheme(nn.Module):
         inference tensors (e.g. input gradients for an ERF after an evaluation)."""
         hit = self._table_cache.get(key)
         t = hit[0] if isinstance(hit, tuple) else hit
-        if t is not None and t.is_inference() and not torch.is_inference_mode_enabled():
+        if t is not None and inference_tensor(t) and not inference_mode():
             return None
         return hit
 

@@ -13,8 +13,20 @@ import torch
 
 
 def _version(t: torch.Tensor) -> int | None:
-    """A tensor's in-place version (None for inference tensors, which have none)."""
-    return None if t.is_inference() else t._version
+    """A tensor's in-place version (None for inference tensors, which have none, and in code that torch.compile
+    traces, where asking is a graph break: positions made inside the traced forward are not changed in place)."""
+    return None if inference_tensor(t) or torch.compiler.is_compiling() else t._version
+
+
+def inference_mode() -> bool:
+    """``torch.is_inference_mode_enabled()``; False in code torch.compile traces (``train.compile``), where the
+    question is a graph break and inference mode is not used."""
+    return not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+
+
+def inference_tensor(t: torch.Tensor) -> bool:
+    """``t.is_inference()``; False in traced code (as :func:`inference_mode`)."""
+    return not torch.compiler.is_compiling() and t.is_inference()
 
 
 def arange_positions(start: int, n: int, device) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from .base import PositionalScheme, SchemeError
-from .positions import known_start, top
+from .positions import inference_mode, inference_tensor, known_start, top
 from .registry import register
 from .turn import turn_pair
 
@@ -94,7 +94,7 @@ class Rotary(PositionalScheme):
         length = n if length is None else length
         key = (d_head, torch.device(device), dtype, self.scale_key(length))
         hit = self._cs.get(key)
-        if hit is not None and hit[0].is_inference() and not torch.is_inference_mode_enabled():
+        if hit is not None and inference_tensor(hit[0]) and not inference_mode():
             hit = None  # autograd may not save inference tensors (e.g. an ERF after an evaluation)
         if hit is None or hit[0].shape[0] < n:
             size = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
@@ -112,7 +112,7 @@ class Rotary(PositionalScheme):
 
     def cos_sin(self, positions: torch.Tensor, d_head: int, dtype, length: int | None = None):
         """Rows of (C, S) for ``positions`` [L] -> ([L, d_head], [L, d_head])."""
-        key = (d_head, dtype, length, torch.is_inference_mode_enabled())
+        key = (d_head, dtype, length, inference_mode())
         version = _version(positions)
         for memo in self._rows:
             if memo[0] is positions and memo[1] == key and version is not None and memo[2] == version:
@@ -177,8 +177,9 @@ def check_factor(name: str, factor: float) -> float:
 
 
 def _version(t: torch.Tensor) -> int | None:
-    """A tensor's in-place version (None for inference tensors, which have none: never memoised)."""
-    return None if t.is_inference() else t._version
+    """A tensor's in-place version (None for inference tensors, which have none, and in traced code: never
+    memoised)."""
+    return None if inference_tensor(t) or torch.compiler.is_compiling() else t._version
 
 
 def check_original_length(name: str, length: int) -> int:

@@ -31,7 +31,7 @@ import math
 import torch
 
 from .base import SchemeError
-from .positions import known_start, top
+from .positions import inference_mode, inference_tensor, known_start, top
 from .registry import register
 from .rotary import Rotary
 from .turn import turn_pair
@@ -86,7 +86,7 @@ class XPos(Rotary):
         ``.to()``). The scale folded into the tables makes xpos cost what rotary costs."""
         key = (d_head, torch.device(device), dtype)
         hit = self._scales.get(key)
-        if hit is not None and hit[0].is_inference() and not torch.is_inference_mode_enabled():
+        if hit is not None and inference_tensor(hit[0]) and not inference_mode():
             hit = None  # autograd may not save inference tensors
         if hit is None or hit[0].shape[0] < n:
             size = max(n, 2 * (hit[0].shape[0] if hit is not None else 0), 256)
@@ -107,8 +107,8 @@ class XPos(Rotary):
         """(Cq, Sq, Ck, Sk) rows [L, d_head] of ``pos`` [L]; memoised for the same positions tensor
         (k after q, the next layer), like rotary's."""
         memo = self._memo
-        version = None if pos.is_inference() else pos._version
-        key = (d_head, dtype, torch.is_inference_mode_enabled())
+        version = None if inference_tensor(pos) or torch.compiler.is_compiling() else pos._version
+        key = (d_head, dtype, inference_mode())
         if memo is not None and memo[0] is pos and memo[1] == key and version is not None and memo[2] == version:
             return memo[3]
         n, known = max(1, top(pos)), known_start(pos)

@@ -1,0 +1,35 @@
+"""`train.compile` (torch.compile of the model's forward): the bias-free schemes and FoX trace into one graph.
+
+On a GPU whose train step is host-bound (docs/results/gpu-h100-2026-11-27.md: GPT-2 small at 16 x 512, 37.8 ms a step
+for 26.7 ms of kernels) a compiled model launches fused kernels instead of one per eager op, but only where the
+forward is one graph: each graph break is a return to the host. A read of a device value (the positions' layout),
+``tensor.is_inference()`` and ``torch.is_inference_mode_enabled()`` each broke the graph (NoPE 9 graphs, rotary 15);
+the model's own positions now carry their layout on the host and those questions are not asked in traced code.
+Here, with the graph-capturing backend ``aot_eager`` (no code generation: seconds on the CPU), fullgraph=True
+compiles the forward and the backward and both equal eager mode.
+"""
+import pytest
+import torch
+
+from extrapolab.model.gpt import GPT, ModelConfig
+
+ONE_GRAPH = ["none", "rotary", "xpos", "rotary-yarn", "rotary-longrope", "hybrid", "nope-headscale", "learned", "fox"]
+
+
+@pytest.mark.parametrize("name", ONE_GRAPH)
+def test_the_training_forward_compiles_to_one_graph_equal_to_eager(name):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(scheme=name, vocab_size=64, dim=32, heads=2, layers=2, train_length=64))
+    idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    want = m(idx)
+    g_want = torch.autograd.grad(want.float().square().mean(), list(m.parameters()), allow_unused=True)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)  # a graph break raises here
+    got = compiled(idx)
+    g_got = torch.autograd.grad(got.float().square().mean(), list(m.parameters()), allow_unused=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_got, g_want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
