@@ -74,11 +74,16 @@ def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, sc
     bq, bk = r1 - r0, hi - lo
     G = min(FOLD_GROUPS, max(1, -(-bq // FOLD_GROUP)))
     gs = -(-bq // G)  # rows per group
-    grp = torch.arange(bq, device=q.device) // gs  # [bq] group of each row
-    mids = r0 + torch.clamp(torch.arange(G, device=q.device) * gs + gs // 2, max=bq - 1)  # [G]
-    refs = pq[..., mids]  # [B|1, H|1, G] p at each group's middle query
+    if G == 1:  # one group (a training length): the same numbers in a slice and a column of ones, 10 kernels fewer
+        grp = None
+        refs = pq[..., r0 + bq // 2:r0 + bq // 2 + 1]  # [B|1, H|1, 1] p at the middle query
+        tq = torch.ones(bq, 1, device=q.device, dtype=torch.float64)  # [bq, 1]
+    else:
+        grp = torch.arange(bq, device=q.device) // gs  # [bq] group of each row
+        mids = r0 + torch.clamp(torch.arange(G, device=q.device) * gs + gs // 2, max=bq - 1)  # [G]
+        refs = pq[..., mids]  # [B|1, H|1, G] p at each group's middle query
+        tq = (grp[:, None] == torch.arange(G, device=q.device)).to(torch.float64)  # [bq, G] one-hot, no read-back
     c = (pk[..., lo:hi, None] - refs[..., None, :]) * s[..., None]  # [B|1, H, bk, G]
-    tq = (grp[:, None] == torch.arange(G, device=q.device)).to(torch.float64)  # [bq, G] one-hot, no read-back
     qb = q[:, :, r0:r1]
     if tau_rows is not None:
         t = 1.0 / tau_rows[..., r0:r1].to(torch.float64)  # [B|1, H|1, bq]
@@ -92,7 +97,7 @@ def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, sc
     vf = F.pad(v[:, :, lo:hi], (0, E + pad))  # [B, H, bk, D+E+pad]: zero columns
     if sink_rows is not None:  # the kernel's logits are shifted by the dropped row term; so is the sink
         sr = sink_rows if sink_rows.shape[-1] == 1 else sink_rows[..., r0:r1]  # [1, H, bq|1]
-        shift = (pq[..., r0:r1] - refs[..., grp]) * s  # [B|1, H, bq]: s_h·(p_m - r_g) / base_scale
+        shift = (pq[..., r0:r1] - (refs if grp is None else refs[..., grp])) * s  # [B|1, H, bq]: s_h·(p_m - r_g)
         if tau_rows is not None:
             shift = shift * t
         sr = sr.to(torch.float64) + shift * scale  # [B|1, H, bq]
