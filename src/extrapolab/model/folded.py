@@ -59,11 +59,12 @@ def _columns(c: torch.Tensor, tq: torch.Tensor, exact_q: bool, low, dtype) -> tu
     tq·c over the G groups: exactly in fp32, to ~2^-16 relative in 16 bits (t·c ~ th·ch + th·cl +
     tl·ch; th·ch + th·cl when t is exact, a one-hot)."""
     cs = _split(c, low, dtype)  # each [.., bk, G]
-    ts = _split(tq, low, dtype)  # each [.., bq, G]
     if low is None:
-        return ts[0], cs[0]
-    if exact_q:
-        return torch.cat([ts[0], ts[0]], -1), torch.cat(cs, -1)
+        return tq.to(dtype), cs[0]
+    if exact_q:  # a one-hot (or ones) is exact in 16 bits: its hi half only
+        th = tq.to(low).to(dtype)  # [.., bq, G]
+        return torch.cat([th, th], -1), torch.cat(cs, -1)
+    ts = _split(tq, low, dtype)  # each [.., bq, G]
     return torch.cat([ts[0], ts[0], ts[1]], -1), torch.cat([cs[0], cs[1], cs[0]], -1)
 
 
