@@ -76,8 +76,9 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch.set_num_threads; 0 = leave default
-    #: torch.compile the model's forward: NoPE, the rotary family, xPos, the hybrid, head scale, learned APE, PoPE
-    #: and FoX trace into one graph (tests/test_compile_graph.py); the bias schemes still break it at their tables
+    #: torch.compile the model's forward: NoPE, the rotary family, xPos, the hybrid, head scale, learned APE, PoPE,
+    #: FoX and the distance tables on CUDA's Toeplitz path (ALiBi, T5, KERPLE, Qin, windowed) trace into one graph
+    #: (tests/test_compile_graph.py); FlexAttention's path (>= flex.MIN_LENGTH), Sandwich and FIRE still break it
     compile: bool = False
     #: the training forward's attention implementation (model/attention.py IMPLS): auto | flex | sdpa | blocked | plain.
     #: "flex" on CUDA trains learnable tables (T5, KERPLE, FIRE up to L) and FoX through FlexAttention with our

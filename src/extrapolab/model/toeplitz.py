@@ -40,6 +40,8 @@ EXP_FLOOR = -80.0
 
 def hankel_view(ext: torch.Tensor, offset: int, rows: int, cols: int) -> torch.Tensor:
     """[1, H', rows, cols] zero-copy mask with mask[0, h, r, j] = ext[h, offset + r + j]."""
+    if torch.compiler.is_compiling() and rows > 0 and cols > 0:  # the same view, traceable (no storage offset read)
+        return ext.narrow(-1, offset, rows + cols - 1).unfold(-1, cols, 1).unsqueeze(0)
     return ext.as_strided((1, ext.shape[0], rows, cols), (0, ext.stride(0), 1, 1),
                           ext.storage_offset() + offset)
 
