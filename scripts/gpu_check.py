@@ -46,6 +46,11 @@ TRAIN_CHUNKS = {"a1": ("rotary", "xpos", "hybrid", "nope-headscale"), "a2": ("al
 LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"] + ("alibi@flex",),
                "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"]}
 SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
+#: opt-in (`--stages bench-compile`; not in the default run, whose 15 minutes are taken): train rows with the model's
+#: forward through torch.compile, as `train.compile` trains (NoPE, the rotary family, FoX and the Toeplitz path's
+#: tables trace into one graph: tests/test_compile_graph.py), each beside eager NoPE
+COMPILE_ROWS = ("none+compile", "rotary+compile", "alibi+compile", "t5+compile", "fox+compile")
+OPTIONAL = ("bench-compile",)
 #: stage -> seconds it may take, from the first runs on a bare H100 machine (torch 2.11;
 #: docs/results/gpu-h100-2026-11-2*.md):
 #: every FlexAttention kernel compiles cold there (3-20 s each; ALiBi, Sandwich and windowed training did not
@@ -56,7 +61,8 @@ SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: out-of-memory errors; the 7 others fp32 gradients from TF32 products in our kernels)
 PYTEST_WORKERS = 8
 LIMITS = {"pytest": 280, "bench-train-a1": 40, "bench-train-a2": 90, "bench-train-b1": 70, "bench-train-b2": 60,
-          "bench-train-c": 95, "bench-long-a": 120, "bench-long-b": 180, "demo": 60, "profile": 90, "torchrun": 30}
+          "bench-train-c": 95, "bench-long-a": 120, "bench-long-b": 180, "demo": 60, "profile": 90, "torchrun": 30,
+          "bench-compile": 240}
 
 
 def _env() -> dict:
@@ -165,6 +171,8 @@ def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
                                          "fox", "fox@flex", "fire")
     cmds["profile"] = (bench + ["--schemes", ",".join(profiled), "--groups", "profile", "--out",
                                 str(out / "profile.json")], {})
+    cmds["bench-compile"] = (bench + ["--schemes", ",".join(("rotary+compile",) if dry else COMPILE_ROWS),
+                                      "--groups", "train", "--out", str(out / "bench-compile.json")], {})
     cmds["torchrun"] = ([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
                          "extrapolab.train", "--preset", "demo-smoke", "--run-dir", str(out / "torchrun"),
                          "--no-progress", "--set", "train.steps=10", "--set",
@@ -206,7 +214,7 @@ def main(argv=None) -> int:
     record = out / "stages.json"  # every stage run into OUT so far, this command's replacing earlier ones
     stages = json.loads(record.read_text()) if record.is_file() and want else {}
     for name, (cmd, extra) in cmds.items():
-        if not want or any(name == w or name.startswith(w + "-") for w in want):
+        if (not want and name not in OPTIONAL) or any(name == w or name.startswith(w + "-") for w in want):
             _stage(name, cmd, out, LIMITS[name] * slack, stages, extra)
             record.write_text(json.dumps(stages, indent=1))
     stages = {k: stages[k] for k in cmds if k in stages}

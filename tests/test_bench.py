@@ -310,3 +310,22 @@ def test_profile_group_lists_each_schemes_operators_and_runs_only_on_request():
     assert rows["rotary"]["launches"] > rows["none"]["launches"]
     assert "### profile: one train step, L_tr = 16" in format_table(res) and "| rotary | " in format_table(res)
     assert "profile" in GROUPS and "profile" not in DEFAULT_GROUPS
+
+
+def test_scheme_plus_compile_rows_time_the_forward_through_torch_compile(monkeypatch):
+    """``name+compile`` benches the model as ``train.compile`` trains it (its forward through torch.compile; here a
+    recording stand-in, the real compile being minutes on a small CPU) beside the eager row; an unknown ``+``
+    option is a one-line error."""
+    from extrapolab.perf import context
+
+    compiled = []
+    monkeypatch.setattr(context.torch, "compile", lambda fn, **kw: compiled.append(fn.__self__.scheme.name) or fn)
+    res = run_bench(["rotary", "rotary+compile", "alibi@sdpa+compile"], lengths_train=(16,), model_cfg=TINY,
+                    repeats=1, warmup=1, groups=["train"], batch_tokens=32, threads=1, progress=False)
+    rows = res["train"]["16"]
+    assert {"rotary", "rotary+compile", "alibi@sdpa+compile"} <= set(rows)
+    assert rows["rotary+compile"]["scheme"] == "rotary" and set(rows["alibi@sdpa+compile"]["paths"]) == {"toeplitz"}
+    assert sorted(compiled) == ["alibi", "rotary"]
+    with pytest.raises(UserError, match=r"SCHEME\[@IMPL\]\[\+compile\]") as err:
+        run_bench(["rotary+fast"], model_cfg=TINY, progress=False)
+    assert "\n" not in str(err.value)

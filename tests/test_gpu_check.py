@@ -28,6 +28,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     assert train["alibi"]["paths"] and train["none"]["paths"] == {"causal": train["none"]["paths"]["causal"]}
     assert "| alibi | toeplitz |" in report and "backend gloo, world size 1" in report
     assert "nonoverlapping" in report or "E1" in report
+    assert "| bench-compile |" not in report  # opt-in: --stages bench-compile
     # a check split into two commands (a GPU machine whose commands stop at 10 minutes): the second reruns one
     # stage and its report still covers every stage recorded in OUT
     again = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(out), "--dry-run",
@@ -43,3 +44,24 @@ def test_gpu_check_unknown_stage_is_one_line(tmp_path):
     err = [line for line in proc.stderr.splitlines() if line.startswith("gpu_check.py: error")]
     assert proc.returncode == 2 and len(err) == 1 and "unknown stage(s) bench-wide; choose from pytest" in err[0]
     assert "Traceback" not in proc.stderr and not (tmp_path / "out" / "stages.json").exists()
+
+
+def test_report_only_rewrites_the_report_from_a_folder_copied_off_the_gpu_machine(tmp_path):
+    """--report-only runs nothing: the report comes from OUT's stages.json and env.json (the machine that ran them),
+    so a check run in several commands on a GPU machine is reported here; an empty folder is a one-line error."""
+    out = tmp_path / "gc"
+    out.mkdir()
+    (out / "stages.json").write_text(json.dumps({"torchrun": {"rc": 0, "seconds": 20.2, "limit_s": 30,
+                                                              "command": "torchrun ..."}}))
+    (out / "env.json").write_text(json.dumps({"torch": "2.11.0+cu130", "cuda": "13.0", "python": "3.12.3",
+                                              "gpu": "NVIDIA H100 80GB HBM3", "triton": "3.6.0", "commit": "abc1234",
+                                              "date": "2026-11-27", "wall_s": 90.7}))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(out), "--dry-run",
+                           "--report-only"], capture_output=True, text=True, timeout=300)
+    report = (out / "gpu-check.md").read_text()
+    assert proc.returncode == 0 and "GPU check on NVIDIA H100 80GB HBM3" in report and "triton 3.6.0" in report
+    assert "| torchrun | 0 | 20.2 (30) |" in report and "wall time 91 s" in report
+    empty = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path / "none"),
+                            "--report-only"], capture_output=True, text=True, timeout=300)
+    err = [line for line in empty.stderr.splitlines() if line.startswith("gpu_check.py: error")]
+    assert empty.returncode == 2 and len(err) == 1 and "no stages.json" in err[0]

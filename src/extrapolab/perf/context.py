@@ -24,21 +24,27 @@ class Spec:
     the attention implementation its calls ask for (AttnOptions.impl: "auto", or e.g. "sdpa" to time another
     path of the same scheme beside it, written ``name@impl``); ``model``: other ModelConfig fields of the row:
     attention options (e.g. ``{"sinks": True}``: docs/attention.md, "Model options") or layer types (a sweep
-    entry's ``{layout: gemma3}``: positional/layout.py)."""
+    entry's ``{layout: gemma3}``: positional/layout.py); ``compile``: the model's forward through torch.compile, as
+    ``train.compile`` trains it (written ``name+compile``)."""
     label: str
     name: str
     params: dict = field(default_factory=dict)
     positions: int = 0
     impl: str = "auto"
     model: dict = field(default_factory=dict)
+    compile: bool = False
 
 
 def _spec(text: str) -> Spec:
-    """"t5" or "t5@sdpa" (the scheme on that attention implementation) -> Spec."""
-    name, _, impl = text.partition("@")
+    """"t5", "t5@sdpa" (the scheme on that attention implementation), "rotary+compile" (its forward through
+    torch.compile) or "t5@flex+compile" -> Spec."""
+    base, plus, suffix = text.partition("+")
+    if plus and suffix != "compile":
+        raise UserError(f"unknown row option {suffix!r} in {text!r}; write SCHEME[@IMPL][+compile]")
+    name, _, impl = base.partition("@")
     if impl and impl not in IMPLS:
         raise UserError(f"unknown attention impl {impl!r} in {text!r}; write SCHEME@IMPL with IMPL one of {', '.join(IMPLS)}")
-    return Spec(text, name, impl=impl or "auto")
+    return Spec(text, name, impl=impl or "auto", compile=bool(plus))
 
 
 def as_specs(schemes) -> list[Spec]:
@@ -92,4 +98,6 @@ def build_model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     model = GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params), **spec.model)).to(ctx.device)
     model.attn_opts = AttnOptions(impl=spec.impl)
+    if spec.compile:  # as the trainer does with train.compile (train/loop.py)
+        model.forward = torch.compile(model.forward)
     return model
