@@ -2,11 +2,11 @@
 "Learnable tables on the flex path").
 
 FlexAttention differentiates a captured tensor that its ``score_mod`` indexes with one fp32 atomic add per score
-element (torch's ``zeros_and_scatter``): training T5 or KERPLE through it took 15-16x bias-free attention on an H100
-(docs/results/gpu-h100-2026-11-26.md). Here the flex kernel runs with the table *detached* (its dq, dk, dv are exact for a
-constant bias) and returns its log-sum-exp; :func:`attach` hangs the table's own gradient on the output. For the
-logits l = (q·k·scale + b[h, d]) · inv_tau, d = off + m - n, of a softmax with output O and incoming gradient dO
-(the flash-attention backward, Dao 2023, Algorithm 2):
+element (torch's ``zeros_and_scatter``): training T5 or KERPLE through it took 15-16x bias-free attention on an
+H100 (docs/results/gpu-h100-2026-11-26.md). Here the flex kernel runs with the table *detached* (its dq, dk, dv are
+exact for a constant bias) and returns its log-sum-exp; :func:`attach` hangs the table's own gradient on the output.
+For the logits l = (q·k·scale + b[h, d]) · inv_tau, d = off + m - n, of a softmax with output O and incoming
+gradient dO (the flash-attention backward, Dao 2023, Algorithm 2):
 
     P = exp(l - lse),   dP = dO · vᵀ,   dS = P ⊙ (dP - Δ),  Δ = rowsum(dO ⊙ O),   db[h, d] = inv_tau · Σ_{m-n=d-off} dS
 
@@ -204,7 +204,8 @@ def _launch(q, k, v, dout, lse, delta, tab, off, scale, inv_tau, reach, dmin, dm
         *x, dout, lse, delta, tab, tiles, B, H, Lq, Lk, tab.shape[1], off, reach, dmin, -(-Lq // block),
         -(-Lk // block), per, *x[0].stride()[:3], *x[1].stride()[:3], *x[2].stride()[:3], *dout.stride()[:3],
         *lse.stride()[:2], *delta.stride()[:2], scale, inv_tau, D,
-        BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=not q.is_cuda, PREC=dot_precision(q), num_warps=4)
+        BLOCK=block, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=not q.is_cuda, PREC=dot_precision(q),
+        num_warps=4)
     return tiles.sum(0)
 
 

@@ -126,8 +126,9 @@ class DistanceBias:
     def hankel(self, layer, dmax, size, window=None, tau=1.0, dtype=torch.float32, kind="bias"):
         """(ext [H|1, size] with ext[x] = f(dmax - x), largest distance with a finite bias)."""
         key = (kind, self.layer_key(layer), window, float(tau), dtype)
-        if (self.scheme.has_bias and self.scheme.learnable and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-            mkey = key + (dmax, size)  # (traced code, train.compile: no cache across forwards, no read-back: one graph)
+        traced = torch.compiler.is_compiling()  # train.compile: no cache across forwards, no read-back (one graph)
+        if (self.scheme.has_bias and self.scheme.learnable and torch.is_grad_enabled()) or traced:
+            mkey = key + (dmax, size)
             if mkey not in self._hankels:  # rebuilt every forward: no read-back of its reach (a sync per layer)
                 self._hankels[mkey] = self._build(layer, dmax, size, window, tau, dtype, kind, reach=False)
             return self._hankels[mkey]
