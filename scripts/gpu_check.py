@@ -56,7 +56,9 @@ OPTIONAL = ("bench-compile",)
 #: every FlexAttention kernel compiles cold there (3-20 s each; ALiBi, Sandwich and windowed training did not
 #: finish warming up in 60 s, the long rows' flex schemes 15-40 s per length), so the whole check is ~15
 #: minutes, over the 8 hoped for: on a machine whose commands stop at 10 minutes, run it as two commands
-#: (--stages). A stage past its limit keeps what it wrote (see _stage).
+#: (--stages). A stage past its limit keeps what it wrote (see _stage). The third run (2026-11-27) took: pytest
+#: 212.6 s (stopped at 200), the train chunks 28 + 78 + 34 + 36 + 72 s, the long chunks 62 + 112 s, profile 59 s,
+#: torchrun 20 s: 12 minutes without the demo, 13.3 minutes of device time with the machine's start.
 #: pytest workers sharing the one GPU: 16 ran an H100 out of memory (2026-11-27: 27 failures, 20 of them
 #: out-of-memory errors; the 7 others fp32 gradients from TF32 products in our kernels)
 PYTEST_WORKERS = 8
