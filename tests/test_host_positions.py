@@ -11,7 +11,7 @@ import torch
 
 from extrapolab import positional
 from extrapolab.model.gpt import GPT, ModelConfig
-from extrapolab.positional.positions import arange_positions, known_start, top
+from extrapolab.positional.positions import arange_positions, known_start, span, top
 from flexspy import CountSyncs
 
 NAMES = [n for n in positional.names() if not positional.build(n, num_heads=2).reference_only]
@@ -52,6 +52,10 @@ def test_only_untouched_positions_carry_their_start():
     assert known_start(pos) == 3 and top(pos) == 13
     assert known_start(pos[2:]) is None and known_start(pos.clone()) is None  # slices, copies: read as usual
     assert top(pos[2:5]) == 8 and top(torch.tensor([4, 1, 9])) == 10 and top(pos[:0]) == 0
+    # (largest + 1, start of a contiguous range or None): from the host, or read from the device alike
+    assert span(pos) == (13, 3) and span(pos[2:5]) == (8, 5) and span(torch.tensor([7])) == (8, 7)
+    assert span(torch.tensor([4, 1, 9])) == (10, None) and span(torch.tensor([2, 3, 5])) == (6, None)
+    assert span(torch.tensor([3, 3, 4])) == (5, None) and span(pos[:0]) == (0, None)
     pos.add_(1)  # changed in place: the host's start is stale, so it is not used
     assert known_start(pos) is None and top(pos) == 14
     with torch.inference_mode():

@@ -60,7 +60,7 @@ RECOMPILE_LIMIT = 64
 #: the automatic rule takes FlexAttention only for sequences at least this long (docs/attention.md): below
 #: it the Toeplitz path (the distance table's dense mask, memory-efficient SDPA) is faster on an H100 -- at
 #: 16 x 512 Qin's train step took 1.11x NoPE's there against flex's 1.54x, its forward 1.50x against 1.87x
-#: (docs/results/gpu-h100.md; no length between 512 and 32,768 measured yet) -- and a compile per new length
+#: (docs/results/gpu-h100-2026-11-27.md; no length between 512 and 32,768 measured yet) -- and a compile per new length
 #: costs more than it saves; smoke runs (L = 32) and the regular-language tasks (a random length per step)
 #: then never compile
 MIN_LENGTH = 1024
@@ -69,7 +69,7 @@ MIN_LENGTH = 1024
 #: NoPE's train step on an H100, docs/results/gpu-h100-2026-11-26.md)
 TABLE_GRAD = True
 #: the automatic rule trains learnable tables here too (else on the Toeplitz path's dense mask). Off, as measured on
-#: an H100 (2026-11-27, GPT-2 small, bf16, 16 x 512, docs/results/gpu-h100.md): train step x NoPE's on this path
+#: an H100 (GPT-2 small, bf16, 16 x 512, docs/results/gpu-h100-2026-11-27.md): train step x NoPE's on this path
 #: with table_grad's kernel against the dense mask's: T5 2.08 vs 1.29, KERPLE-log 2.05 vs 1.22, FIRE 4.79 vs 2.28
 AUTO_TABLE_GRAD = False
 #: the automatic rule runs positions from content (FoX) on FlexAttention too, their gradient from
@@ -191,8 +191,7 @@ class Compiled:
         dev, dtype, D, gather, grad, heavy, qshape, Lk, rung = shape
         self.events.append({"device": dev, "dtype": str(dtype).replace("torch.", ""), "head_dim": D,
                             "gather": gather, "heavy": heavy, "grad": grad, "q_shape": list(qshape), "Lk": Lk,
-                            "rung": rung,
-                            "options": flex_tiles.describe(options), "status": status,
+                            "rung": rung, "options": flex_tiles.describe(options), "status": status,
                             "seconds": round(seconds, 3)})
 
 

@@ -27,7 +27,8 @@ def is_toeplitz(scheme: PositionalScheme, allow_weight: bool = False) -> bool:
 
 
 def arange_start(pos: torch.Tensor) -> int | None:
-    """p0 if ``pos == p0 + arange(len(pos))``, else None."""
+    """p0 if ``pos == p0 + arange(len(pos))``, else None (one read of the device for one position: a decoded token's
+    query; :func:`~extrapolab.positional.positions.span` also gives the largest, for a rotary table)."""
     n = pos.numel()
     if n == 0 or pos.dim() != 1:
         return None

@@ -127,15 +127,7 @@ class FIRE(RelativeBias):
         every layer on a GPU). α and β keep their graph to the MLP's parameters (which units are active on a piece
         is a detached choice)."""
         g = self._g(layer)
-        w1, b1, w2, b2 = self.w1[g], self.b1[g], self.w2[g], self.b2[g]
-        w1d, b1d = w1.detach(), b1.detach()
-        nz = w1d != 0
-        t = torch.where(nz, -b1d / torch.where(nz, w1d, 1.0), torch.inf).sort().values  # [K]
-        mids = torch.cat([t[:1] - 1, (t[1:] + t[:-1]) / 2, t[-1:] + 1])  # [K+1] a point inside each piece (or +inf)
-        active = torch.where(nz, mids[:, None] * w1d + b1d > 0, b1d > 0).to(w1.dtype)  # [K+1, W]
-        alpha = b2[:, None] + (w2 * b1) @ active.T  # [H, K+1]
-        beta = (w2 * w1) @ active.T  # [H, K+1]
-        return t, alpha, beta
+        return _pieces(self.w1[g], self.b1[g], self.w2[g], self.b2[g])
 
     def distance_tables(self, n: int, device=None, dtype=torch.float32) -> torch.Tensor | None:
         """[G, H, n]: every layer's distance table f_θ(ψ(d)/ψ(L)) at once, the per-layer formulas
@@ -149,15 +141,7 @@ class FIRE(RelativeBias):
         thr = (self.L_mult.abs() * self.original_length).to(dt)  # [G] L per layer
         psi = torch.log1p((self.c[:, None] * dist).abs())  # [G, n] ψ(d)
         x = psi * (1.0 / (torch.log1p((self.c * thr).abs()) + self.eps))[:, None]  # [G, n] ψ(d)/ψ(L)
-        w1, b1, w2, b2 = self.w1, self.b1, self.w2, self.b2  # [G, W], [G, W], [G, H, W], [G, H]
-        w1d, b1d = w1.detach(), b1.detach()
-        nz = w1d != 0
-        t = torch.where(nz, -b1d / torch.where(nz, w1d, 1.0), torch.inf).sort(-1).values  # [G, K]
-        mids = torch.cat([t[:, :1] - 1, (t[:, 1:] + t[:, :-1]) / 2, t[:, -1:] + 1], 1)  # [G, K+1]
-        active = torch.where(nz[:, None], mids[..., None] * w1d[:, None] + b1d[:, None] > 0,
-                             b1d[:, None] > 0).to(w1.dtype)  # [G, K+1, W] units on in each piece
-        alpha = b2[..., None] + (w2 * b1[:, None]) @ active.transpose(1, 2)  # [G, H, K+1]
-        beta = (w2 * w1[:, None]) @ active.transpose(1, 2)  # [G, H, K+1]
+        t, alpha, beta = _pieces(self.w1, self.b1, self.w2, self.b2)  # [G, K], [G, H, K+1] x2: every layer's
         s = torch.searchsorted(t.to(dt).contiguous(), x.detach().contiguous())  # [G, n] #{k : t_k < x}
         s = s[:, None].expand(-1, H, -1)  # [G, H, n]
         out = torch.addcmul(alpha.to(dt).gather(2, s), beta.to(dt).gather(2, s), x[:, None])  # [G, H, n]
@@ -293,6 +277,21 @@ class FIRE(RelativeBias):
     def options(self):
         return {"layers": self.layers, "shared": self.shared, "width": self.width, "c": self.c0,
                 "L_mult": self.L_mult0, "original_length": self.original_length, "eps": self.eps}
+
+
+def _pieces(w1, b1, w2, b2):
+    """f = Linear(1, W) -> ReLU -> Linear(W, H) as linear pieces, for one layer's parameters (w1, b1 [W], w2 [H, W],
+    b2 [H]) or a stack of them (a leading [G]): breakpoints t [.., K] sorted, α and β [.., H, K+1]; see
+    :meth:`FIRE.pieces`."""
+    w1d, b1d = w1.detach(), b1.detach()
+    nz = w1d != 0
+    t = torch.where(nz, -b1d / torch.where(nz, w1d, 1.0), torch.inf).sort(-1).values  # [.., K]
+    mids = torch.cat([t[..., :1] - 1, (t[..., 1:] + t[..., :-1]) / 2, t[..., -1:] + 1], -1)  # [.., K+1] (or +inf)
+    active = torch.where(nz[..., None, :], mids[..., :, None] * w1d[..., None, :] + b1d[..., None, :] > 0,
+                         b1d[..., None, :] > 0).to(w1.dtype)  # [.., K+1, W] units on in each piece
+    alpha = b2[..., None] + (w2 * b1[..., None, :]) @ active.transpose(-1, -2)  # [.., H, K+1]
+    beta = (w2 * w1[..., None, :]) @ active.transpose(-1, -2)  # [.., H, K+1]
+    return t, alpha, beta
 
 
 def _contiguous(pos: torch.Tensor) -> bool:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """A tensor's in-place version (None for inference tensors, which have none, and in code that torch.compile
-    traces, where asking is a graph break: positions made inside the traced forward are not changed in place)."""
+def version(t: torch.Tensor) -> int | None:
+    """A tensor's in-place version, for memos keyed on a tensor (None: do not memoise): None for inference tensors,
+    which have none, and in code that torch.compile traces, where asking is a graph break (positions made inside the
+    traced forward are not changed in place)."""
     return None if inference_tensor(t) or torch.compiler.is_compiling() else t._version
 
 
@@ -32,7 +33,7 @@ def inference_tensor(t: torch.Tensor) -> bool:
 def arange_positions(start: int, n: int, device) -> torch.Tensor:
     """start .. start + n - 1 [n] (int64) on ``device``, its start kept on the host for :func:`known_start`."""
     pos = torch.arange(start, start + n, device=device)  # [n]
-    pos._arange_start = (int(start), _version(pos))
+    pos._arange_start = (int(start), version(pos))
     return pos
 
 
@@ -40,9 +41,27 @@ def known_start(pos: torch.Tensor) -> int | None:
     """The start of positions made by :func:`arange_positions` and not changed in place since, else None (then the
     caller reads the device). Views, slices and copies carry no start."""
     tag = getattr(pos, "_arange_start", None)
-    if tag is None or tag[1] != _version(pos) or pos.dim() != 1:
+    if tag is None or tag[1] != version(pos) or pos.dim() != 1:
         return None
     return tag[0]
+
+
+def span(pos: torch.Tensor) -> tuple[int, int | None]:
+    """(max(pos) + 1, p0 where 1-D ``pos == p0 + arange(len(pos))`` else None); (0, None) for no positions: the
+    rows a rotary table needs, and whether they are one slice of it. From the host where the start is known, else
+    one read of the device for one position and two or three for more (the largest, the first, and whether they
+    increase when the two allow a range: integers that increase strictly from p0 to p0 + len - 1 are that range)."""
+    n = pos.numel()
+    if n == 0:
+        return 0, None
+    p0 = known_start(pos)
+    if p0 is not None:
+        return p0 + n, p0
+    if n == 1:
+        p0 = int(pos.reshape(-1)[0])
+        return p0 + 1, (p0 if pos.dim() == 1 else None)
+    hi, p0 = int(pos.max()) + 1, int(pos.reshape(-1)[0])
+    return hi, (p0 if pos.dim() == 1 and hi - p0 == n and bool(torch.all(pos[1:] > pos[:-1])) else None)
 
 
 def top(pos: torch.Tensor) -> int:

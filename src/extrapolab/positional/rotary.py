@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from .base import PositionalScheme, SchemeError
-from .positions import inference_mode, inference_tensor, known_start, top
+from .positions import inference_mode, inference_tensor, span, top, version
 from .registry import register
 from .turn import turn_pair
 
@@ -113,24 +113,23 @@ class Rotary(PositionalScheme):
     def cos_sin(self, positions: torch.Tensor, d_head: int, dtype, length: int | None = None):
         """Rows of (C, S) for ``positions`` [L] -> ([L, d_head], [L, d_head])."""
         key = (d_head, dtype, length, inference_mode())
-        version = _version(positions)
+        ver = version(positions)
         for memo in self._rows:
-            if memo[0] is positions and memo[1] == key and version is not None and memo[2] == version:
+            if memo[0] is positions and memo[1] == key and ver is not None and memo[2] == ver:
                 return memo[3], memo[4]  # the same positions tensor again (k after q, the next layer)
-        n, known = max(1, top(positions)), known_start(positions)
-        C, S = self.tables(n, d_head, positions.device, dtype, length)
-        L, p0 = positions.numel(), (known if known is not None else int(positions[0]) if positions.numel() else 0)
-        if L and n - p0 == L and (L == 1 or known is not None or bool((positions[1:] > positions[:-1]).all())):
+        n, p0 = span(positions)
+        C, S = self.tables(max(1, n), d_head, positions.device, dtype, length)
+        if p0 is not None:
             c, s = C[p0:n], S[p0:n]  # p0..p0+L-1 in order (increasing integers): a view, no gather
         else:
             c, s = C[positions], S[positions]  # [L, d_head]
-        self._rows = [(positions, key, version, c, s)] + self._rows[:1]
+        self._rows = [(positions, key, ver, c, s)] + self._rows[:1]
         return c, s
 
     def _length(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int | None:
         if not self.length_dependent:
             return None
-        versions = (_version(q_pos), _version(k_pos))
+        versions = (version(q_pos), version(k_pos))
         memo = self._len
         if memo is not None and memo[0] is q_pos and memo[1] is k_pos and None not in versions and memo[2] == versions:
             return memo[3]  # the next layer: the same positions, read once per forward
@@ -174,12 +173,6 @@ def check_factor(name: str, factor: float) -> float:
         raise SchemeError(f"{name} factor must be a finite number >= 1 (s = L_ex / L_tr), got {factor!r}; "
                           f"pass --set model.scheme_params.factor=4")
     return s
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """A tensor's in-place version (None for inference tensors, which have none, and in traced code: never
-    memoised)."""
-    return None if inference_tensor(t) or torch.compiler.is_compiling() else t._version
 
 
 def check_original_length(name: str, length: int) -> int:

@@ -31,7 +31,7 @@ import math
 import torch
 
 from .base import SchemeError
-from .positions import inference_mode, inference_tensor, known_start, top
+from .positions import inference_mode, inference_tensor, span, version
 from .registry import register
 from .rotary import Rotary
 from .turn import turn_pair
@@ -107,23 +107,22 @@ class XPos(Rotary):
         """(Cq, Sq, Ck, Sk) rows [L, d_head] of ``pos`` [L]; memoised for the same positions tensor
         (k after q, the next layer), like rotary's."""
         memo = self._memo
-        version = None if inference_tensor(pos) or torch.compiler.is_compiling() else pos._version
+        ver = version(pos)
         key = (d_head, dtype, inference_mode())
-        if memo is not None and memo[0] is pos and memo[1] == key and version is not None and memo[2] == version:
+        if memo is not None and memo[0] is pos and memo[1] == key and ver is not None and memo[2] == ver:
             return memo[3]
-        n, known = max(1, top(pos)), known_start(pos)
+        n, p0 = span(pos)
         if dtype == torch.float16 and pos.numel():
             half = max_offset(self.scale_base, self.gamma, HALF_RANGE)
-            if max(n - 1 - self.center, self.center - (known if known is not None else int(pos.min()))) > half:
+            if max(n - 1 - self.center, self.center - (p0 if p0 is not None else int(pos.min()))) > half:
                 raise SchemeError(f"xpos in float16 reaches only {half} positions from its center; "
                                   "use bf16 or fp32 (--dtype bf16) or move model.scheme_params.center")
-        tables = self.xpos_tables(n, d_head, pos.device, dtype)
-        L, p0 = pos.numel(), (known if known is not None else int(pos[0]) if pos.numel() else 0)
-        if L and n - p0 == L and (L == 1 or known is not None or bool((pos[1:] > pos[:-1]).all())):
+        tables = self.xpos_tables(max(1, n), d_head, pos.device, dtype)
+        if p0 is not None:
             rows = tuple(t[p0:n] for t in tables)  # p0..p0+L-1 in order: views, no gather
         else:
             rows = tuple(t[pos] for t in tables)  # [L, d_head] each
-        self._memo = (pos, key, version, rows)
+        self._memo = (pos, key, ver, rows)
         return rows
 
     def rotate(self, q, k, q_pos, k_pos):
