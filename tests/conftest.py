@@ -25,7 +25,7 @@ def _seed():
 def _release_gpu_memory(request):
     """After a GPU test, hand its cached blocks back to the device: the GPU check runs several pytest workers on
     one GPU, and 16 workers' caching allocators holding ~6.7 GiB each ran it out of memory on an H100 (an OOM,
-    and cuDNN / cuBLAS "internal errors" of the same cause: 20 of 27 failures; docs/results/gpu-h100.md)."""
+    and cuDNN / cuBLAS "internal errors" of the same cause: 20 of 27 failures; docs/results/gpu-h100-2026-11-27.md)."""
     yield
     if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_initialized():
         torch.cuda.synchronize()

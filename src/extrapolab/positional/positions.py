@@ -4,8 +4,8 @@ A forward asks of its positions the largest (the scheme's length check, a rotary
 whether they are contiguous and increasing (the Toeplitz, folded and rotary fast paths). Read from a CUDA tensor,
 each answer is a host sync: the host waits for every kernel queued before it, and a training step whose host
 runs ahead of the GPU (GPT-2 small at 16 x 512 on an H100: 37.8 ms a step with 26.7 ms of kernels,
-docs/results/gpu-h100.md) loses that lead at every read. Positions made by :func:`arange_positions` carry their
-start on the host, so those questions cost nothing; any other tensor is read as before.
+docs/results/gpu-h100-2026-11-27.md) loses that lead at every read. Positions made by :func:`arange_positions`
+carry their start on the host, so those questions cost nothing; any other tensor is read as before.
 """
 from __future__ import annotations
 
