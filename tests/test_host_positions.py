@@ -1,7 +1,7 @@
 """A training step reads nothing back from the device (positional/positions.py).
 
-The H100 profile of GPT-2 small at 16 x 512 (docs/results/gpu-h100-2026-11-27.md) showed the step host-bound: 37.8 ms a step
-for 26.7 ms of kernels with NoPE, 50.3 ms for 28.1 ms with rotary. Every read of a CUDA value (the positions'
+The H100 profile of GPT-2 small at 16 x 512 (docs/results/gpu-h100-2026-11-27.md) showed the step host-bound: 37.8 ms
+a step for 26.7 ms of kernels with NoPE, 50.3 ms for 28.1 ms with rotary. Every read of a CUDA value (the positions'
 largest, first, last, whether they increase) makes the host wait for the queued kernels; a step made 4 of them
 (NoPE) to 7 (rotary, xPos). The model's own positions now carry their layout on the host, so a step with them makes
 none, for every scheme outside the reference path; positions passed in are read as before, with the same result.
