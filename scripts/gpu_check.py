@@ -268,7 +268,8 @@ def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
     (out / "gpu-check.md").write_text(text)
     if not dry:
         slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
-        name = f"gpu-{'h100' if 'h100' in slug else slug}"  # the latest run, and a dated copy that the next keeps
+        chip = re.search(r"[a-z]\d{2,3}", slug.replace("nvidia-", ""))  # h100, h200, a100, l40 ...
+        name = f"gpu-{chip.group(0) if chip else slug}"  # the latest run, and a dated copy that the next keeps
         for dest in (ROOT / "docs" / "results" / f"{name}.md",
                      ROOT / "docs" / "results" / f"{name}-{env.get('date') or time.strftime('%Y-%m-%d')}.md"):
             dest.write_text(text)
