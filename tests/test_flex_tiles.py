@@ -62,6 +62,17 @@ def test_heavy_score_mods_start_on_small_tiles_in_every_dtype():
     assert plan(None, torch.bfloat16, 64, gather=True, heavy=True) == [None]
 
 
+def test_heavy_score_mods_with_gradient_keep_torchs_backward():
+    """On an H200 the heavy rung's 32 x 32 backward did not compile for FIRE's rows (Triton CompilationError) where
+    torch's default backward had on an H100: with a gradient a heavy score_mod takes the heavy forward tiles with
+    torch's backward, then torch's defaults altogether."""
+    for dt in (torch.bfloat16, torch.float32):
+        first, second = plan(H100, dt, 64, gather=True, heavy=True, grad=True)
+        assert second is None and not any(k.startswith("bwd_") for k in first)
+        assert first == {k: v for k, v in flex_tiles.HEAVY.options().items() if k.startswith("fwd_")}
+    assert flex_tiles.describe(first) == "fwd 64x64 s2 w4 / bwd torch's default"
+
+
 @pytest.mark.parametrize("shared", [101376, 166912, 232448])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_plan_fits_smaller_devices_and_larger_heads(shared, head_dim):
@@ -89,26 +100,47 @@ def test_out_of_resource_is_recognised_and_nothing_else_is():
     assert not flex_tiles.out_of_resource(RuntimeError("CUDA error: an illegal memory access was encountered"))
 
 
+def _inductor_compile_error():
+    """inductor's error around Triton's CompilationError, as FIRE's rows' backward raised it on an H200."""
+    import ast
+
+    from torch._inductor.exc import InductorError
+    from triton.compiler.errors import CompilationError
+
+    node = ast.parse("dq = bwd_dq_inner(x)").body[0]
+    inner = CompilationError("dq = bwd_dq_inner(x)", node, "Cannot broadcast, rank mismatch: ['1'], [32, 32]")
+    return InductorError(inner, None)
+
+
+def test_a_triton_compile_error_is_a_compile_failure_and_a_bug_is_not():
+    pytest.importorskip("triton")
+    assert flex_tiles.compile_failure(_inductor_oor()) == "out of resource"
+    assert flex_tiles.compile_failure(_inductor_compile_error()) == "Triton compile error"
+    assert not flex_tiles.out_of_resource(_inductor_compile_error())
+    assert flex_tiles.compile_failure(RuntimeError("CUDA error: an illegal memory access was encountered")) is None
+    assert flex_tiles.compile_failure(NotImplementedError("Using multiple indexing operations")) is None
+
+
 class _Stub:
     """The compiled function of flex.Compiled: raises the real inductor error for the option sets in
     ``fail`` (or all with fail=None), else runs eager FlexAttention; records the options of each call."""
 
-    def __init__(self, fail):
+    def __init__(self, fail, error=None):
         from torch.nn.attention.flex_attention import flex_attention
 
-        self.fail, self.calls, self.eager = fail, [], flex_attention
+        self.fail, self.calls, self.eager, self.error = fail, [], flex_attention, error or _inductor_oor
 
     def __call__(self, q, k, v, kernel_options=None, **kw):
         self.calls.append(kernel_options)
         if self.fail is None or kernel_options in self.fail:
-            raise _inductor_oor()
+            raise self.error()
         return self.eager(q, k, v, **kw)
 
 
-def _compiled(monkeypatch, fail):
+def _compiled(monkeypatch, fail, error=None):
     monkeypatch.setattr(flex_tiles, "device_info", lambda device: H100)  # plan as on the H100
     c = flex.Compiled()
-    c.fn = _Stub(fail)
+    c.fn = _Stub(fail, error)
     monkeypatch.setattr(flex, "kernel", lambda device: c)
     return c
 
@@ -205,3 +237,33 @@ def test_out_of_resource_through_a_real_dynamo_compile_retries_and_recompiles(mo
     assert seen == [LADDER[0].fwd[0], LADDER[1].fwd[0]]
     assert torch.equal(got, want)
     assert [e["status"] for e in c.events] == ["out of resource", "compiled"]
+
+
+def test_triton_compile_error_on_every_rung_runs_fire_on_the_split_path_with_one_warning(monkeypatch):
+    """FIRE's rows (the H200's failure): both rungs rejected by Triton, the call runs on the split path with one
+    line naming the cause, with that path's numbers."""
+    pytest.importorskip("triton")
+    c = _compiled(monkeypatch, fail=None, error=_inductor_compile_error)
+    s = positional.build("fire", num_heads=4, original_length=16)
+    q, k, v = _qkv(96)
+    pos = torch.arange(96)
+    with torch.no_grad(), pytest.warns(RuntimeWarning) as rec:
+        got, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex"))
+        ref, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="sdpa"))
+    msg = str(rec[0].message)
+    assert len(rec) == 1 and "\n" not in msg and "Triton compile error" in msg and "split path instead" in msg
+    assert torch.equal(got, ref)
+    assert c.fn.calls == plan(H100, torch.bfloat16, 64, gather=True, heavy=True)
+    assert [e["status"] for e in c.events] == ["Triton compile error"] * 2
+
+
+def test_triton_compile_error_with_gradient_tries_torchs_backward_then_gives_up_once(monkeypatch):
+    """With a gradient the compiled kernel tries the heavy forward with torch's backward, then torch's defaults,
+    and raises the one error attend() turns into the fallback; the next call of that key compiles nothing."""
+    pytest.importorskip("triton")
+    c = _compiled(monkeypatch, fail=None, error=_inductor_compile_error)
+    q, k, v = _qkv(64, dtype=torch.float32)
+    for _ in range(2):
+        with pytest.raises(flex.OutOfResource, match="did not compile it .Triton compile error.*bwd torch's default"):
+            c(q, k, v, gather=True, heavy=True)
+    assert c.fn.calls == plan(H100, torch.float32, 64, gather=True, heavy=True, grad=True)

@@ -98,12 +98,14 @@ class RecompileLimit(Unavailable):
 
 
 class OutOfResource(Unavailable):
-    """Every tile rung of :func:`.flex_tiles.plan` failed to compile "out of resource" (shared memory)."""
+    """Every tile rung of :func:`.flex_tiles.plan` failed to compile: "out of resource" (shared memory), or
+    Triton rejected the generated kernel (:func:`.flex_tiles.compile_failure`)."""
 
-    def __init__(self, tried: list) -> None:
-        super().__init__("FlexAttention cannot compile it within the GPU's shared memory (tiles tried: "
-                         + "; ".join(flex_tiles.describe(o) for o in tried) + ")",
-                         "see docs/attention.md, Tiles")
+    def __init__(self, tried: list, why: str = "out of resource") -> None:
+        what = ("cannot compile it within the GPU's shared memory" if why == "out of resource" else
+                f"did not compile it ({why})")
+        super().__init__(f"FlexAttention {what} (tiles tried: " + "; ".join(flex_tiles.describe(o) for o in tried)
+                         + ")", "see docs/attention.md, Tiles")
 
 
 def available() -> bool:
@@ -136,8 +138,8 @@ class Compiled:
     The limit applies to its own calls only.
 
     Each call passes the tiles of :func:`.flex_tiles.plan` for its device, dtype, head size and whether the
-    score_mod gathers (``gather``); a compile that fails "out of resource" is retried once on the plan's smaller
-    rung, and when that fails too the call raises :class:`OutOfResource` (attend() then takes the Toeplitz or
+    score_mod gathers (``gather``); a compile that fails "out of resource", or that Triton rejects for these tiles
+    (:func:`.flex_tiles.compile_failure`), is retried once on the plan's smaller rung, and when that fails too the call raises :class:`OutOfResource` (attend() then takes the Toeplitz or
     split path with a one-line warning). With gradients the backward is compiled together with the forward
     (``force_non_lazy_backward_lowering``), so a backward that does not fit fails here too, where the next
     rung can still be tried, and never later inside ``loss.backward()``. The rung that compiled is kept per
@@ -151,6 +153,7 @@ class Compiled:
         self.fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
         self.rung: dict = {}  # (device, dtype, head size, gather, grad, heavy) -> plan index; None: none fits
         self.seen: set = set()  # shapes called before (their first call compiled)
+        self.why: dict = {}  # key -> the last compile failure's kind (flex_tiles.compile_failure)
         self.events: list[dict] = []
 
     def __call__(self, q, k, v, *, gather: bool = True, heavy: bool = False, **kw):
@@ -160,10 +163,10 @@ class Compiled:
                   "accumulated_recompile_limit": max(4 * self.limit, dcfg.accumulated_recompile_limit)}
         grad = torch.is_grad_enabled()  # a captured table may need the gradient when q, k, v do not
         key = (str(q.device), q.dtype, q.shape[-1], bool(gather), grad, bool(heavy))
-        options = flex_tiles.plan(flex_tiles.device_info(q.device), q.dtype, q.shape[-1], gather, heavy)
+        options = flex_tiles.plan(flex_tiles.device_info(q.device), q.dtype, q.shape[-1], gather, heavy, grad)
         start = self.rung.get(key, 0)
         if start is None:
-            raise OutOfResource(options)
+            raise OutOfResource(options, self.why.get(key, "out of resource"))
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one layout per shape
         for i in range(start, len(options)):
             shape = key + (tuple(q.shape), k.shape[2], i)
@@ -174,10 +177,12 @@ class Compiled:
             except exc.FailOnRecompileLimitHit:
                 self.full = True
                 raise RecompileLimit(self.limit) from None
-            except Exception as err:  # noqa: BLE001 -- only "out of resource" is ours to handle
-                if not flex_tiles.out_of_resource(err):
+            except Exception as err:  # noqa: BLE001 -- only a failure other tiles may fix is ours to handle
+                why = flex_tiles.compile_failure(err)
+                if why is None:
                     raise
-                self._event(shape, options[i], "out of resource", time.perf_counter() - t0)
+                self.why[key] = why
+                self._event(shape, options[i], why, time.perf_counter() - t0)
                 continue
             if shape not in self.seen:
                 self.seen.add(shape)
@@ -185,7 +190,7 @@ class Compiled:
             self.rung[key] = i
             return out
         self.rung[key] = None
-        raise OutOfResource(options[start:])
+        raise OutOfResource(options[start:], self.why[key])
 
     def _event(self, shape, options, status: str, seconds: float) -> None:
         dev, dtype, D, gather, grad, heavy, qshape, Lk, rung = shape

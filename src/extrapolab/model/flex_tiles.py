@@ -87,22 +87,31 @@ def fwd_shared_bytes(block_m: int, block_n: int, stages: int, head_dim: int, ele
 #: the first rung of a heavy score_mod (FIRE's rows beyond L: a W-unit MLP unrolled per score element, ~100
 #: registers' worth of live values per element): FIRE's 32,768-token forward on an H100 took 15.4x NoPE's with
 #: 64 x 64 tiles and 2 stages (2026-11-26) and 69.0x with the (128, 64, 3, 4) rung (2026-11-27; same score_mod,
-#: no gradient): a bigger tile holds more elements per thread and spills
+#: no gradient); on an H200 16.2x on this rung (2026-11-27, docs/results/gpu-h200-2026-11-27.md): a bigger tile
+#: holds more elements per thread and spills. Its forward only: with a gradient the backward keeps torch's own
+#: tiles (:func:`forward_only`), since this rung's 32 x 32 backward did not compile for FIRE's rows on that H200
+#: (Triton ``CompilationError`` in the dq loop, fp32) where torch's default had (H100, 2026-11-27)
 HEAVY = LADDER[2]
 
 
+def forward_only(options: dict) -> dict:
+    """``options`` without its backward keys: the backward then takes torch's own tiles."""
+    return {k: v for k, v in options.items() if not k.startswith("bwd_")}
+
+
 def plan(device: Device | None, dtype: torch.dtype, head_dim: int, gather: bool,
-         heavy: bool = False) -> list[dict | None]:
+         heavy: bool = False, grad: bool = False) -> list[dict | None]:
     """The kernel options to try, in order: [first, smaller rung]. ``None`` = torch's own default config.
 
     With a gather and 16-bit inputs the first is the largest rung that fits ``device``'s shared memory;
     otherwise torch's default, whose shapes fit wherever nothing is gathered (and fp32's default tiles are
-    small). A ``heavy`` score_mod (per-element work beyond a gather: FIRE's MLP) starts at :data:`HEAVY` in any
-    dtype. Off CUDA (eager FlexAttention) there is nothing to choose: [None]."""
+    small). A ``heavy`` score_mod (per-element work beyond a gather: FIRE's MLP) starts at :data:`HEAVY`'s
+    forward in any dtype; with a gradient (``grad``) its backward and the second choice are torch's defaults.
+    Off CUDA (eager FlexAttention) there is nothing to choose: [None]."""
     if device is None:
         return [None]
     if heavy:
-        return [HEAVY.options(), LADDER[-1].options()]
+        return [forward_only(HEAVY.options()), None] if grad else [HEAVY.options(), LADDER[-1].options()]
     elem = torch.empty((), dtype=dtype).element_size()
     fits = [r for r in LADDER
             if fwd_shared_bytes(*r.fwd[:3], head_dim, elem, gather) <= device.shared_bytes - MARGIN]
@@ -115,22 +124,41 @@ def plan(device: Device | None, dtype: torch.dtype, head_dim: int, gather: bool,
 
 
 def describe(options: dict | None) -> str:
-    """'fwd 128x64 s3 w4 / bwd 64x64x64x64 s3 w4', or "torch's default" for None."""
+    """'fwd 128x64 s3 w4 / bwd 64x64x64x64 s3 w4', or "torch's default" for None (or for a missing pass)."""
     if options is None:
         return "torch's default"
     f = [options[f"fwd_{k}"] for k in ("BLOCK_M", "BLOCK_N", "num_stages", "num_warps")]
+    if "bwd_BLOCK_M1" not in options:
+        return f"fwd {f[0]}x{f[1]} s{f[2]} w{f[3]} / bwd torch's default"
     b = [options[f"bwd_{k}"] for k in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_stages", "num_warps")]
     return f"fwd {f[0]}x{f[1]} s{f[2]} w{f[3]} / bwd {b[0]}x{b[1]}x{b[2]}x{b[3]} s{b[4]} w{b[5]}"
+
+
+def _chain(err: BaseException | None):
+    """The exception and its causes (inductor's ``inner_exception``, ``__cause__``, ``__context__``), 8 at most."""
+    for _ in range(8):
+        if err is None:
+            return
+        yield err
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
 
 
 def out_of_resource(err: BaseException) -> bool:
     """Is this the compile failure a smaller tile can fix (Triton's OutOfResources, reported by inductor as
     "No valid triton configs ... out of resource")? Looks through the exception's causes."""
-    seen = 0
-    while err is not None and seen < 8:
-        text = f"{type(err).__name__}: {err}"
-        if "out of resource" in text or "No valid triton configs" in text or type(err).__name__ == "OutOfResources":
-            return True
-        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
-        seen += 1
-    return False
+    return any("out of resource" in f"{e}" or "No valid triton configs" in f"{e}"
+               or type(e).__name__ == "OutOfResources" for e in _chain(err))
+
+
+def compile_failure(err: BaseException) -> str | None:
+    """Why a FlexAttention compile failed where other tiles may compile: "out of resource" (shared memory), or
+    "Triton compile error" (Triton rejected the generated kernel for these tiles: on an H200 the heavy rung's
+    32 x 32 backward for FIRE's rows, 2026-11-27); None for anything else (a bug, which is raised)."""
+    if out_of_resource(err):
+        return "out of resource"
+    for e in _chain(err):
+        if type(e).__name__ == "CompilationError" and type(e).__module__.startswith("triton"):
+            return "Triton compile error"
+        if type(e).__name__ == "InductorError" and str(e).startswith("CompilationError"):
+            return "Triton compile error"
+    return None
