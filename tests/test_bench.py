@@ -329,3 +329,22 @@ def test_scheme_plus_compile_rows_time_the_forward_through_torch_compile(monkeyp
     with pytest.raises(UserError, match=r"SCHEME\[@IMPL\]\[\+compile\]") as err:
         run_bench(["rotary+fast"], model_cfg=TINY, progress=False)
     assert "\n" not in str(err.value)
+
+
+def test_gpu_goal_verdicts_read_the_interval_not_the_median():
+    """The H200 run's rotary train step: median 1.48x over rounds 1.03-1.69 against a 1.10x goal is unresolved,
+    not MISSED; an interval wholly below a goal is met, wholly above is MISSED."""
+    from extrapolab.perf.table import check_gpu_goals, goal_verdict
+
+    assert goal_verdict({"median": 1.48, "ci95": [1.03, 1.69]}, 1.10) == "unresolved (1.03-1.69)"
+    assert goal_verdict({"median": 1.05, "ci95": [1.01, 1.10]}, 1.10) == "met"
+    assert goal_verdict({"median": 1.41, "ci95": [1.40, 1.43]}, 1.30) == "MISSED"
+    assert goal_verdict({"median": 1.2}, 1.30) == "met"  # a row without an interval: its median alone
+    res = {"train": {"512": {"rotary": {"step_s_ratio": {"median": 1.48, "ci95": [1.03, 1.69]}}}},
+           "long": {"32768": {"rotary": {"fwd_s_ratio": {"median": 1.07, "ci95": [1.01, 1.09]}},
+                              "alibi": {"fwd_s_ratio": {"median": 1.41, "ci95": [1.40, 1.43]}}}}}
+    lines = check_gpu_goals(res)
+    rot = next(x for x in lines if x.startswith("gpu goal rotary:"))
+    assert "train step 1.48x <= 1.10x unresolved (1.03-1.69)" in rot and "forward 32k 1.07x <= 1.10x met" in rot
+    assert any(x.startswith("gpu goal alibi:") and "forward 32k 1.41x <= 1.30x MISSED" in x for x in lines)
+    assert not any(x.startswith("gpu goal fire:") for x in lines)  # nothing measured: no line
