@@ -12,8 +12,8 @@ in one pass, each stage with a time limit (about 15 minutes on a bare H100 machi
 4. one profiled train step per scheme that misses a goal (`bench --groups profile`: its CUDA kernels by time);
 5. a one-process `torchrun` training run (the multi-GPU path's code at world size 1: NCCL on CUDA);
 
-then prints the goals met or missed and writes OUT/gpu-check.md (and docs/results/gpu-<gpu>.md with a dated copy,
-gpu-<gpu>-<date>.md, that the next run leaves in place): the GPU's name,
+then prints the goals met, missed or unresolved and writes OUT/gpu-check.md (and docs/results/gpu-<gpu>.md with a
+dated copy, gpu-<gpu>-<date>.md, that the next run leaves in place): the GPU's name,
 torch, CUDA, triton, the command, each stage's wall time and outcome. `--dry-run` runs the same stages at toy
 sizes on the CPU (gloo), which the test suite uses to check this script's plumbing.
 """
