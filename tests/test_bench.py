@@ -3,6 +3,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from extrapolab.io import UserError
 from extrapolab.model.gpt import ModelConfig
@@ -348,3 +349,28 @@ def test_gpu_goal_verdicts_read_the_interval_not_the_median():
     assert "train step 1.48x <= 1.10x unresolved (1.03-1.69)" in rot and "forward 32k 1.07x <= 1.10x met" in rot
     assert any(x.startswith("gpu goal alibi:") and "forward 32k 1.41x <= 1.30x MISSED" in x for x in lines)
     assert not any(x.startswith("gpu goal fire:") for x in lines)  # nothing measured: no line
+
+
+def test_cuda_profile_summary_adds_the_hosts_side():
+    """On a GPU the profile lists the kernels by GPU time and, beside them, every CPU event by self time (the
+    host's side of a host-bound step); a CPU profile has no such table."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from extrapolab.perf.profile import format_profile, summarize
+
+    def ev(name, dev, us):
+        return SimpleNamespace(name=name, device_type=dev, self_cpu_time_total=us if dev == DeviceType.CPU else 0,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+    events = [ev("flash_fwd", DeviceType.CUDA, 300), ev("flash_fwd", DeviceType.CUDA, 300),
+              ev("turn_kernel", DeviceType.CUDA, 90), ev("aten::_scaled_dot_product_cudnn_attention", DeviceType.CPU, 700),
+              ev("cudaLaunchKernel", DeviceType.CPU, 5), ev("cudaLaunchKernel", DeviceType.CPU, 5)]
+    got = summarize(SimpleNamespace(events=lambda: events), torch.device("cuda"))
+    assert got["launches"] == 3 and abs(got["kernel_ms"] - 0.69) < 1e-9
+    assert got["host_top"][0] == ["aten::_scaled_dot_product_cudnn_attention", 0.7, 1]
+    assert got["host_top"][1] == ["cudaLaunchKernel", 0.01, 2] and abs(got["host_ms"] - 0.71) < 1e-9
+    text = "\n".join(format_profile({"512": {"rotary": {"step_ms": 45.8, **got}}}))
+    assert "| rotary | 0.7 | `aten::_scaled_dot_product_cudnn_attention` 0.70 ×1; `cudaLaunchKernel` 0.01 ×2 |" in text
+    cpu = summarize(SimpleNamespace(events=lambda: [ev("aten::mm", DeviceType.CPU, 10)]), torch.device("cpu"))
+    assert "host_top" not in cpu and "host's side" not in "\n".join(format_profile({"16": {"none": {"step_ms": 1, **cpu}}}))

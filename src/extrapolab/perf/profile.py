@@ -9,7 +9,10 @@ against a baseline -- the profiler's overhead makes its totals no speed figure; 
 the fastest of 3 unprofiled steps beside them, and is off by default (``--groups profile``, or
 ``train,profile``). On a GPU the two together tell a step bound by its kernels (busy ≈ step) from one bound by
 the host launching them (busy far below the step: GPT-2 small at 16 x 512 may be one -- every eager operator a
-scheme adds per layer then costs its launch, whatever its arithmetic).
+scheme adds per layer then costs its launch, whatever its arithmetic). On a GPU each row also lists the host's side
+of the profiled step (CPU events by self time): on an H200 (2026-11-27) rotary's, xPos's and NoPE head scale's
+steps took 13-17 ms more than ALiBi's with as many launches and kernel time within 1.10x NoPE's, which the kernel
+list alone could not explain.
 """
 from __future__ import annotations
 
@@ -29,13 +32,22 @@ TOP = 8
 NAME = 72
 
 
+def _ranked(total: dict, calls: dict, top: int) -> list:
+    return [[n[:NAME], total[n] / 1e3, calls[n]] for n in sorted(total, key=lambda n: -total[n])[:top]]
+
+
 def summarize(prof, device: torch.device, top: int = TOP) -> dict:
     """{launches, kernel_ms, top: [[name, ms, calls], ...]} of one profiled call: CUDA kernels on a GPU, else the
-    aten operators by self CPU time."""
+    aten operators by self CPU time. On a GPU also the host's side, ``host_ms`` and ``host_top``: every CPU event
+    (operators, CUDA runtime calls such as ``cudaLaunchKernel``) by self CPU time, which names where a host-bound
+    step's time goes (one slow call, or many launches)."""
     total, calls = defaultdict(float), defaultdict(int)
+    host, hcalls = defaultdict(float), defaultdict(int)
     for e in prof.events():
         if device.type == "cuda":
             if e.device_type != DeviceType.CUDA:
+                host[e.name] += e.self_cpu_time_total
+                hcalls[e.name] += 1
                 continue
             us = e.time_range.elapsed_us()
         else:
@@ -44,10 +56,11 @@ def summarize(prof, device: torch.device, top: int = TOP) -> dict:
             us = e.self_cpu_time_total
         total[e.name] += us
         calls[e.name] += 1
-    ranked = sorted(total, key=lambda n: -total[n])[:top]
-    return {"launches": sum(calls.values()), "kernel_ms": sum(total.values()) / 1e3, "what": "cuda kernels"
-            if device.type == "cuda" else "aten operators (self CPU time)",
-            "top": [[n[:NAME], total[n] / 1e3, calls[n]] for n in ranked]}
+    out = {"launches": sum(calls.values()), "kernel_ms": sum(total.values()) / 1e3, "what": "cuda kernels"
+           if device.type == "cuda" else "aten operators (self CPU time)", "top": _ranked(total, calls, top)}
+    if device.type == "cuda":
+        out.update(host_ms=sum(host.values()) / 1e3, host_top=_ranked(host, hcalls, top))
+    return out
 
 
 def bench_profile(ctx: Context) -> dict:
@@ -88,4 +101,12 @@ def format_profile(res: dict) -> list[str]:
         for label, r in rows.items():
             top = "; ".join(f"`{n}` {ms:.2f} ×{c}" for n, ms, c in r["top"][:5])
             lines.append(f"| {label} | {r['step_ms']:.1f} | {r['launches']} | {r['kernel_ms']:.1f} | {top} |")
+        hosted = {label: r for label, r in rows.items() if r.get("host_top")}
+        if hosted:
+            lines += ["", "The host's side of the same profiled step: every CPU event by self time (operators and CUDA "
+                      "runtime calls; the profiler's overhead included, so compare rows, not with the step).", "",
+                      "| scheme | host ms | top (ms, calls) |", "|---|---|---|"]
+            for label, r in hosted.items():
+                top = "; ".join(f"`{n}` {ms:.2f} ×{c}" for n, ms, c in r["host_top"][:6])
+                lines.append(f"| {label} | {r['host_ms']:.1f} | {top} |")
     return lines
