@@ -9,7 +9,8 @@ in one pass, each stage with a time limit (about 15 minutes on a bare H100 machi
    goals' length; each further length costs every flex scheme a cold compile) for every scheme with a CUDA goal (docs/attention.md, perf.table.GPU_GOALS) plus NoPE, each row with the
    attention path it took, FlexAttention's tile options, outcome and compile seconds, any fallback;
 3. a 300-step `demo --preset gpu-quick` slice on NoPE and ALiBi with its E1 table;
-4. one profiled train step per scheme that misses a goal (`bench --groups profile`: its CUDA kernels by time);
+4. one profiled train step per scheme that misses a goal (`bench --groups profile,layouts`: its CUDA kernels by
+   time, the host's side of the step, and SDPA alone in the model's three q/k/v layouts);
 5. a one-process `torchrun` training run (the multi-GPU path's code at world size 1: NCCL on CUDA);
 
 then prints the goals met, missed or unresolved and writes OUT/gpu-check.md (and docs/results/gpu-<gpu>.md with a
@@ -172,7 +173,7 @@ def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
                      "--set", "eval.protocols=[nonoverlapping]"], {})
     profiled = ("rotary",) if dry else ("rotary", "xpos", "nope-headscale", "alibi", "qin-type1", "t5", "t5@flex",
                                          "fox", "fox@flex", "fire")
-    cmds["profile"] = (bench + ["--schemes", ",".join(profiled), "--groups", "profile", "--out",
+    cmds["profile"] = (bench + ["--schemes", ",".join(profiled), "--groups", "profile,layouts", "--out",
                                 str(out / "profile.json")], {})
     cmds["bench-compile"] = (bench + ["--schemes", ",".join(("rotary+compile",) if dry else COMPILE_ROWS),
                                       "--groups", "train", "--out", str(out / "bench-compile.json")], {})
@@ -230,6 +231,7 @@ def main(argv=None) -> int:
 
 def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
     sys.path.insert(0, str(ROOT / "src"))
+    from extrapolab.perf.layouts import format_layouts
     from extrapolab.perf.profile import format_profile
     from extrapolab.perf.table import check_gpu_goals, format_table
 
@@ -257,8 +259,11 @@ def _report(out: Path, env: dict, stages: dict, wall: float, dry: bool) -> None:
             lines += ["", "## goals (docs/attention.md)", ""] + check_gpu_goals(bench)
     prof = out / "profile.json"
     if prof.is_file():
+        profiled = json.loads(prof.read_text())
         lines += ["", "## profile: where one train step's time goes (the kernels by GPU time)"]
-        lines += format_profile(json.loads(prof.read_text()).get("profile") or {})
+        lines += format_profile(profiled.get("profile") or {})
+        if profiled.get("layouts"):
+            lines += format_layouts(profiled["layouts"])
     fb = _fallbacks(out)
     lines += ["", "## fallbacks (one-line warnings)", ""] + (fb or ["none"])
     lines += ["", "## demo slice: E1 (NoPE, ALiBi)", "", _e1_table(out / "demo")]

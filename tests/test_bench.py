@@ -374,3 +374,25 @@ def test_cuda_profile_summary_adds_the_hosts_side():
     assert "| rotary | 0.7 | `aten::_scaled_dot_product_cudnn_attention` 0.70 ×1; `cudaLaunchKernel` 0.01 ×2 |" in text
     cpu = summarize(SimpleNamespace(events=lambda: [ev("aten::mm", DeviceType.CPU, 10)]), torch.device("cpu"))
     assert "host_top" not in cpu and "host's side" not in "\n".join(format_profile({"16": {"none": {"step_ms": 1, **cpu}}}))
+
+
+def test_layouts_group_times_sdpa_in_the_models_three_layouts_with_their_gradients():
+    """``--groups layouts``: the causal path's SDPA call in the layouts the model hands it, each a forward and backward
+    whose inputs really have that layout; wall >= host time, packed's ratio 1; on request only."""
+    from extrapolab.perf.bench import DEFAULT_GROUPS
+    from extrapolab.perf.layouts import LAYOUTS, _inputs
+
+    g = torch.Generator().manual_seed(0)
+    (q, k, v), leaves = _inputs("packed", 2, 3, 8, 4, "cpu", torch.float32, g)
+    assert len(leaves) == 1 and q.stride() == k.stride() == v.stride() and not q.is_contiguous()
+    (q, k, v), leaves = _inputs("qk-own", 2, 3, 8, 4, "cpu", torch.float32, g)
+    assert q.is_contiguous() and k.is_contiguous() and not v.is_contiguous() and len(leaves) == 3
+    (q, k, v), leaves = _inputs("contiguous", 2, 3, 8, 4, "cpu", torch.float32, g)
+    assert all(t.is_contiguous() for t in (q, k, v))
+    res = run_bench(["rotary"], lengths_train=(16,), model_cfg=TINY, groups=["layouts"], repeats=2, warmup=1,
+                    progress=False)
+    rows = res["layouts"]["16"]
+    assert list(rows) == list(LAYOUTS) and rows["packed"]["wall_ratio"] == 1.0
+    for r in rows.values():
+        assert 0 < r["host_ms"] <= r["wall_ms"] and len(r["rounds"]["wall"]) == 2
+    assert "### SDPA layouts, L = 16" in format_table(res) and "layouts" not in DEFAULT_GROUPS

@@ -23,6 +23,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
         assert f"| {stage} | 0 |" in report, stage
     profiled = report.split("## profile: where one train step's time goes")
     assert len(profiled) == 2 and "| rotary | " in profiled[1]
+    assert "### SDPA layouts, L = 64" in profiled[1] and "| qk-own | " in profiled[1]  # SDPA alone, per layout
     train = json.loads((out / "bench-train-a1.json").read_text())["train"]["64"]
     assert "| t5 |" in report and "| qin-type1 |" in report  # the chunks' rows merged into one table
     assert train["alibi"]["paths"] and train["none"]["paths"] == {"causal": train["none"]["paths"]["causal"]}

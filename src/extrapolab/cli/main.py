@@ -186,7 +186,8 @@ def bench(
                                                "forwards (overrides the preset's), e.g. 8192,32768"),
     groups: Optional[str] = typer.Option(None, "--groups", help="comma-separated row groups: train, long, generation, "
                                          "denormals (default: these four), profile (one profiled train step per "
-                                         "scheme: its kernels by time)"),
+                                         "scheme: its kernels by time), layouts (SDPA alone in the model's three "
+                                         "q/k/v layouts: wall and host time)"),
     regular: bool = typer.Option(False, "--regular", help="also RegularGPT as an LM vs full attention at the same depth"),
     regular_c: int = typer.Option(16, "--regular-C", help="RegularGPT chunk size C for --regular"),
     regular_k: int = typer.Option(1, "--regular-K", help="RegularGPT thickness K for --regular"),

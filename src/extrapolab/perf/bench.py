@@ -17,7 +17,9 @@ sizes (:mod:`.timing`). Row groups:
   forward over the last w̄ tokens (re-encoding);
 * denormals: ALiBi and NoPE train steps with flush-to-zero on and off, one thread, same process;
 * profile (on request only): one profiled train step per scheme, its kernels (CUDA) or operators (CPU) by
-  time (:mod:`.profile`): why a row is slower, not how much.
+  time (:mod:`.profile`): why a row is slower, not how much;
+* layouts (on request only): the causal path's one SDPA call in the three layouts the model hands it
+  (:mod:`.layouts`), wall and host time per call.
 
 Memory: extrapolab.memory.PeakMemory around one extra, untimed call per row.
 To add a row group (e.g. a RegularGPT LM), write ``fn(ctx: Context) -> dict`` in ``perf/groups.py``, add it to
@@ -42,6 +44,7 @@ from ..train.step import resolve_precision
 from .context import BASE, Context, Spec, as_specs, build_model  # noqa: F401  (re-exported: sweep/cost.py, tests)
 from .groups import (attention_only, bench_denormals, bench_generation, bench_long, bench_train,  # noqa: F401
                      unfused_reason, window_limited)
+from .layouts import bench_layouts
 from .profile import bench_profile
 
 DEMO = ModelConfig(vocab_size=4096, layers=4, heads=4, dim=128, scheme=BASE)
@@ -87,8 +90,8 @@ def preset_settings(name: str) -> dict:
 #: row groups in the order run_bench measures them (see the module docstring to add one)
 GROUPS: dict[str, Callable[[Context], dict]] = {
     "train": bench_train, "long": bench_long, "generation": bench_generation, "denormals": bench_denormals,
-    "profile": bench_profile}
-#: the groups a bench runs unless told (``profile`` lists kernels, it times nothing against NoPE: on request)
+    "profile": bench_profile, "layouts": bench_layouts}
+#: the groups a bench runs unless told (``profile`` lists kernels and ``layouts`` times SDPA alone: on request)
 DEFAULT_GROUPS = ("train", "long", "generation", "denormals")
 
 

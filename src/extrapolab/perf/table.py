@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from .. import positional
+from .layouts import format_layouts
 from .profile import format_profile
 from .timing import TOLERANCE, fmt_ratio
 
@@ -217,6 +218,7 @@ FORMATTERS = {
     "generation": format_generation,
     "denormals": format_denormals,
     "profile": format_profile,
+    "layouts": format_layouts,
 }
 
 

@@ -1,0 +1,96 @@
+"""``bench --groups layouts``: the one SDPA call of the causal path, timed in the three layouts the model hands it.
+
+NoPE, ALiBi, Qin and T5 pass q, k and v as three views of one fused qkv projection ([B, L, 3, H, D] read as
+[B, H, L, D]); rotary, xPos and NoPE head scale pass a q and k of their own (the rotation or the per-head scale
+writes new [B, H, L, D] tensors) beside v's view. On an H200 (2026-11-27, docs/results/gpu-h200-2026-11-27.md)
+the latter three trained 13-17 ms a step slower than ALiBi with as many kernel launches and kernel time within
+1.10x NoPE's: the host's time, not the GPU's. This group times ``scaled_dot_product_attention(is_causal=True)``
+forward + backward at each train length and batch, per layout: wall time per call (queue drained before and after
+each batch of ``layers`` calls) and host time per call (the same calls' enqueue time, measured before the drain:
+where it nears the wall time the call is host-bound). Nothing of extrapolab's model runs: the layouts alone.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .context import Context
+from .timing import rotated, sync
+
+#: label -> who hands SDPA that layout
+LAYOUTS = {"packed": "q, k, v: views of one fused projection (NoPE, ALiBi, Qin, T5)",
+           "qk-own": "q, k new contiguous tensors, v a view (rotary, xPos, NoPE head scale)",
+           "contiguous": "q, k, v each contiguous"}
+
+
+def _inputs(kind: str, B: int, H: int, L: int, D: int, dev, dtype, g) -> tuple[tuple, tuple]:
+    """((q, k, v) [B, H, L, D], the leaves their gradients are taken for) in layout ``kind``."""
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).to(dev, dtype).requires_grad_(True)
+    if kind == "contiguous":
+        q, k, v = (leaf(B, H, L, D) for _ in range(3))
+        return (q, k, v), (q, k, v)
+    P = leaf(B, L, 3, H, D)  # [B, L, 3, H, D] the fused projection's output
+    views = [P[:, :, i].transpose(1, 2) for i in range(3)]  # each [B, H, L, D], strides of P
+    if kind == "packed":
+        return tuple(views), (P,)
+    q, k = leaf(B, H, L, D), leaf(B, H, L, D)
+    return (q, k, views[2]), (q, k, P)
+
+
+def bench_layouts(ctx: Context) -> dict:
+    """{L: {layout: {wall_ms, host_ms (medians over rounds, per call), wall_ratio (to packed), per-round lists}}}."""
+    cfg, dev = ctx.cfg, ctx.device
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ctx.precision, torch.float32)
+    H, D, n = cfg.heads, cfg.dim // cfg.heads, cfg.layers
+    out = {}
+    for L in ctx.opts["lengths_train"]:
+        B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+        ctx.say(f"layouts L={L}, batch {B}: {len(LAYOUTS)} layouts x {ctx.rounds} rounds x {n} SDPA calls")
+        g = torch.Generator().manual_seed(L)
+        jobs = {}
+        for kind in LAYOUTS:
+            (q, k, v), leaves = _inputs(kind, B, H, L, D, dev, dtype, g)
+            grad_out = torch.randn(B, H, L, D, generator=g).to(dev, dtype)
+
+            def call(q=q, k=k, v=v, leaves=leaves, grad_out=grad_out):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, L, D]
+                torch.autograd.grad(o, leaves, grad_out)
+            jobs[kind] = call
+        for fn in jobs.values():
+            for _ in range(max(1, ctx.warmup)):
+                fn()
+        times = {kind: {"wall": [], "host": []} for kind in jobs}
+        for r in range(ctx.rounds):
+            for kind in rotated(list(jobs), r):
+                sync(dev)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    jobs[kind]()
+                t1 = time.perf_counter()
+                sync(dev)
+                t2 = time.perf_counter()
+                times[kind]["host"].append(1e3 * (t1 - t0) / n)
+                times[kind]["wall"].append(1e3 * (t2 - t0) / n)
+        base = times["packed"]["wall"]
+        out[str(L)] = {kind: {"wall_ms": statistics.median(t["wall"]), "host_ms": statistics.median(t["host"]),
+                              "wall_ratio": statistics.median(a / b for a, b in zip(t["wall"], base)),
+                              "batch": B, "rounds": t, "who": LAYOUTS[kind], **ctx.prov(L=L, batch=B, group="layouts")}
+                       for kind, t in times.items()}
+    return out
+
+
+def format_layouts(res: dict) -> list[str]:
+    """Per L: each layout's wall and host time per SDPA call (forward + backward) and its wall time over packed's."""
+    lines = []
+    for L, rows in res.items():
+        B = next(iter(rows.values()))["batch"]
+        lines += ["", f"### SDPA layouts, L = {L} (batch {B}; is_causal, forward + backward per call)", "",
+                  "host ms: the calls' enqueue time; near the wall time a call is bound by the host.", "",
+                  "| layout | handed over by | wall ms | host ms | wall ×packed |", "|---|---|---|---|---|"]
+        lines += [f"| {k} | {r['who']} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | {r['wall_ratio']:.2f} |"
+                  for k, r in rows.items()]
+    return lines
