@@ -1,8 +1,9 @@
 """One command that proves extrapolab on a bare CUDA machine (run it as `scripts/gpu-check.sh` or `make gpu-check`).
 
 From the source tree (`PYTHONPATH=src`, no setup step, no network), on a machine with torch >= 2.11 and CUDA, it runs
-in one pass, each stage with a time limit (about 15 minutes on a bare H100 machine, every kernel compiled cold;
-`--stages` splits it into two commands), everything written under OUT:
+in one pass, each stage with a time limit (every kernel compiled cold: about 10.5 minutes on a bare H200 machine
+on 2026-11-27 -- pytest 273 s, train 95 s, long 113 s, profile 66 s, torchrun 15 s, the demo's limit 60 s -- over
+the 8 hoped for; `--stages` splits it into two commands), everything written under OUT:
 
 1. `pytest -m gpu` over tests/ (every GPU test; per-file times from its JUnit XML, each file goal < 3 min);
 2. `extrapolab bench --preset gpu-quick` (GPT-2 small, bf16): train rows at L_tr 512 and long forwards at 32,768 (the
@@ -51,7 +52,10 @@ SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: forward through torch.compile, as `train.compile` trains (NoPE, the rotary family, FoX and the Toeplitz path's
 #: tables trace into one graph: tests/test_compile_graph.py), each beside eager NoPE
 COMPILE_ROWS = ("none+compile", "rotary+compile", "alibi+compile", "t5+compile", "fox+compile")
-OPTIONAL = ("bench-compile",)
+#: stages run only when named exactly (a prefix such as bench-train leaves them out): bench-compile, and the @flex
+#: A/B chunk, whose routes lost to `auto`'s choices on the H100 (2026-11-27: T5 2.08x vs 1.29x, KERPLE-log 2.05x vs
+#: 1.22x, FIRE 4.79x vs 2.28x, FoX 2.02x vs 1.81x; docs/results/gpu-h100-2026-11-27.md): 72 s of the default run
+OPTIONAL = ("bench-compile", "bench-train-c")
 #: stage -> seconds it may take, from the first runs on a bare H100 machine (torch 2.11;
 #: docs/results/gpu-h100-2026-11-2*.md):
 #: every FlexAttention kernel compiles cold there (3-20 s each; ALiBi, Sandwich and windowed training did not
@@ -218,7 +222,8 @@ def main(argv=None) -> int:
     record = out / "stages.json"  # every stage run into OUT so far, this command's replacing earlier ones
     stages = json.loads(record.read_text()) if record.is_file() and want else {}
     for name, (cmd, extra) in cmds.items():
-        if (not want and name not in OPTIONAL) or any(name == w or name.startswith(w + "-") for w in want):
+        if name in OPTIONAL and name in want or name not in OPTIONAL and (
+                not want or any(name == w or name.startswith(w + "-") for w in want)):
             _stage(name, cmd, out, LIMITS[name] * slack, stages, extra)
             record.write_text(json.dumps(stages, indent=1))
     stages = {k: stages[k] for k in cmds if k in stages}

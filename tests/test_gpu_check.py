@@ -18,25 +18,26 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     out = tmp_path / "out"
     report = (out / "gpu-check.md").read_text()
     assert proc.returncode == 0, report
-    for stage in ("pytest", "bench-train-a1", "bench-train-a2", "bench-train-b1", "bench-train-b2", "bench-train-c",
+    for stage in ("pytest", "bench-train-a1", "bench-train-a2", "bench-train-b1", "bench-train-b2",
                   "bench-long-a", "bench-long-b", "demo", "profile", "torchrun"):
         assert f"| {stage} | 0 |" in report, stage
     profiled = report.split("## profile: where one train step's time goes")
     assert len(profiled) == 2 and "| rotary | " in profiled[1]
     assert "### SDPA layouts, L = 64" in profiled[1] and "| qk-own | " in profiled[1]  # SDPA alone, per layout
     train = json.loads((out / "bench-train-a1.json").read_text())["train"]["64"]
-    assert "| t5 |" in report and "| qin-type1 |" in report  # the chunks' rows merged into one table
+    assert "| fox |" in report and "| qin-type1 |" in report  # the chunks' rows merged into one table
     assert train["alibi"]["paths"] and train["none"]["paths"] == {"causal": train["none"]["paths"]["causal"]}
     assert "| alibi | toeplitz |" in report and "backend gloo, world size 1" in report
     assert "nonoverlapping" in report or "E1" in report
-    assert "| bench-compile |" not in report  # opt-in: --stages bench-compile
+    assert "| bench-compile |" not in report and "| bench-train-c |" not in report  # opt-in: named exactly
     # a check split into two commands (a GPU machine whose commands stop at 10 minutes): the second reruns one
     # stage and its report still covers every stage recorded in OUT
     again = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(out), "--dry-run",
-                            "--stages", "torchrun"], capture_output=True, text=True, timeout=600)
+                            "--stages", "torchrun,bench-train-c"], capture_output=True, text=True, timeout=600)
     report2 = (out / "gpu-check.md").read_text()
     assert again.returncode == 0 and "| bench-long-b | 0 |" in report2 and "| torchrun | 0 |" in report2
     assert again.stdout.count("[gpu-check] torchrun: rc") == 1 and "[gpu-check] pytest: rc" not in again.stdout
+    assert "| bench-train-c | 0 |" in report2  # an opt-in stage runs when named
 
 
 def test_gpu_check_unknown_stage_is_one_line(tmp_path):
