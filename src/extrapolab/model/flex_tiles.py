@@ -105,13 +105,16 @@ def plan(device: Device | None, dtype: torch.dtype, head_dim: int, gather: bool,
 
     With a gather and 16-bit inputs the first is the largest rung that fits ``device``'s shared memory;
     otherwise torch's default, whose shapes fit wherever nothing is gathered (and fp32's default tiles are
-    small). A ``heavy`` score_mod (per-element work beyond a gather: FIRE's MLP) starts at :data:`HEAVY`'s
-    forward in any dtype; with a gradient (``grad``) its backward and the second choice are torch's defaults.
-    Off CUDA (eager FlexAttention) there is nothing to choose: [None]."""
+    small). A ``heavy`` score_mod (per-element work beyond a gather: FIRE's MLP) starts at :data:`HEAVY` in any
+    dtype; with a gradient (``grad``) at its forward with torch's backward, then at the first choice of a score_mod
+    that is not heavy (what FIRE's rows trained on before :data:`HEAVY`). Off CUDA (eager FlexAttention) there is
+    nothing to choose: [None]."""
     if device is None:
         return [None]
     if heavy:
-        return [forward_only(HEAVY.options()), None] if grad else [HEAVY.options(), LADDER[-1].options()]
+        if grad:
+            return [forward_only(HEAVY.options()), plan(device, dtype, head_dim, gather)[0]]
+        return [HEAVY.options(), LADDER[-1].options()]
     elem = torch.empty((), dtype=dtype).element_size()
     fits = [r for r in LADDER
             if fwd_shared_bytes(*r.fwd[:3], head_dim, elem, gather) <= device.shared_bytes - MARGIN]
