@@ -61,3 +61,60 @@ def test_only_untouched_positions_carry_their_start():
     with torch.inference_mode():
         inf = arange_positions(0, 4, "cpu")
     assert known_start(inf) == 0 and top(inf) == 4
+
+
+class _HostToDevice(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ops that take a host tensor (not a 0-d scalar) and give a tensor on the model's device: a copy from
+    the host, which on CUDA (``.to(device)`` of pageable memory) blocks until every queued kernel ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        host = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() > 0
+                   for a in (*args, *(kwargs or {}).values()))
+        res = out if isinstance(out, (tuple, list)) else (out,)
+        if host and any(isinstance(o, torch.Tensor) and o.device.type == "meta" for o in res):
+            self.calls.append(func._schema.name)
+        return out
+
+
+class _OneOffReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Answers a read of a meta value (which has none) while the first step builds its cached tables: the largest
+    distance of a 64-token input for integers, true for a flag, 1 for a float; ones for a copy to the host
+    (Sandwich's ratios, read once for its table). Only shapes matter on meta."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            t = args[0]
+            return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 63
+        if func is torch.ops.aten._to_copy.default and args[0].device.type == "meta" \
+                and torch.device(kwargs.get("device") or "meta").type == "cpu":
+            return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_train_step_copies_nothing_from_the_host(name, monkeypatch):
+    """The model on the meta device (a device that is not the host, as CUDA is; no GPU needed): a second train step
+    hands no host tensor to the device. FoX's slopes were a fresh host tensor copied to the GPU in every layer of
+    every step (a blocking copy: the host waited for the GPU 12 times a step), PoPE's frequencies and the two-pass
+    rotaries' likewise. Reads the meta device cannot answer are the ones CUDA avoids or makes once: a table's reach
+    (CUDA training builds it without, ``reach=False``) and FIRE's split row (read once per forward)."""
+    from extrapolab.model import folded, tables
+
+    real_build, real_dtype = tables.DistanceBias._build, folded.compute_dtype
+    monkeypatch.setattr(tables.DistanceBias, "_build", lambda self, *a, **kw: real_build(self, *a, **{**kw, "reach": False}))
+    monkeypatch.setattr(tables, "_floats", lambda t: None if t is None else [1e9] * t.numel())
+    monkeypatch.setattr(folded, "compute_dtype", lambda x: x.dtype if x.device.type == "meta" else real_dtype(x))
+    m = _model(name).to("meta")
+    idx = torch.randint(0, 64, (2, 64), device="meta")
+    with _OneOffReads():
+        m(idx).float().square().mean().backward()  # first step: tables built (a one-off read answered here)
+    m.zero_grad()
+    with _HostToDevice() as c:
+        m(idx).float().square().mean().backward()
+    assert c.calls == [], (name, c.calls)

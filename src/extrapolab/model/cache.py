@@ -85,7 +85,7 @@ class KVCache:
             if L > 1:  # the call's earlier queries would lose keys of their own window
                 raise ValueError(f"a KV cache with sinks takes one token per call once it holds sinks + window = "
                                  f"{s + w} tokens; got {L} (prefill at most that many, then step)")
-            keep = torch.cat([torch.arange(s), torch.arange(n - w, n)]).to(k.device)  # [s + w] slots kept
+            keep = torch.cat([torch.arange(s, device=k.device), torch.arange(n - w, n, device=k.device)])  # [s + w]
             k, v, pos = k[:, :, keep], v[:, :, keep], pos[keep]
         self.k[layer], self.v[layer], self.pos[layer] = k, v, pos
         return k, v, pos

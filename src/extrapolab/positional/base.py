@@ -128,6 +128,16 @@ class PositionalScheme(nn.Module):
             return None
         return hit
 
+    def on_device(self, key: tuple, device, make) -> torch.Tensor:
+        """``make()`` -- a constant built on the host (frequencies, slopes) -- on ``device``, copied there once and
+        kept in the table cache. A host-to-device copy on every call is a blocking copy on CUDA: the host waits for
+        every queued kernel, once per layer (FoX's slopes did that in every training step)."""
+        k = ("on_device", str(torch.device(device))) + tuple(key)
+        hit = self.cached(k)
+        if hit is None:
+            hit = self._table_cache[k] = make().to(device)
+        return hit
+
     # ---- hooks -------------------------------------------------------------------------
     def embed(self, positions: torch.Tensor, dim: int) -> torch.Tensor | None:
         return None

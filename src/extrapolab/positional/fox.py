@@ -72,7 +72,9 @@ class FoX(PositionalScheme):
         return p if past is None else p + past.to(p.dtype)[..., None]
 
     def alibi_slopes(self, layer=0):
-        return torch.ones(self.num_heads, dtype=torch.float64)  # [H]: D_ij = -(p_i - p_j)
+        # [H] ones on the gates' device (D_ij = -(p_i - p_j)): a fresh host tensor was copied to the GPU, a blocking
+        # copy, in every layer of every step
+        return self.on_device(("slopes",), self.w.device, lambda: torch.ones(self.num_heads, dtype=torch.float64))
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= int(layer) < self.layers:

@@ -58,7 +58,8 @@ class PoPE(PositionalScheme):
 
     def _angles(self, pos: torch.Tensor, d: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) of pos·θ_c, [L, d], computed in float64 then cast."""
-        ang = pos.to(torch.float64)[:, None] * self.inv_freq(d).to(pos.device)  # [L, d]
+        theta = self.on_device(("theta", d), pos.device, lambda: self.inv_freq(d))  # [d] once per device
+        ang = pos.to(torch.float64)[:, None] * theta  # [L, d]
         return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 
     def rotate(self, q, k, q_pos, k_pos):

@@ -228,7 +228,8 @@ class MultiPassRotary(Rotary):
         return Passes(self.rule.passes(), self._shift, getattr(self.rule, "complete", True))
 
     def _shift(self, x, delta):
-        inv = self.inv_freq(x.shape[-1], None)  # [d/2] float64, the frequencies rotate() used
+        d = x.shape[-1]  # [d/2] float64, the frequencies rotate() used, kept on x's device (no copy per layer)
+        inv = self.on_device(("inv_freq", d), x.device, lambda: self.inv_freq(d, None))
         return shift_by(x, delta, inv, halves=False)
 
     def options(self):
