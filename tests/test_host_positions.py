@@ -5,6 +5,8 @@ a step for 26.7 ms of kernels with NoPE, 50.3 ms for 28.1 ms with rotary. Every 
 largest, first, last, whether they increase) makes the host wait for the queued kernels; a step made 4 of them
 (NoPE) to 7 (rotary, xPos). The model's own positions now carry their layout on the host, so a step with them makes
 none, for every scheme outside the reference path; positions passed in are read as before, with the same result.
+Nor does a step copy anything from the host (checked on the meta device): FoX's slopes were a host tensor copied to
+the GPU in every layer (a blocking copy) until 2026-11-27.
 """
 import pytest
 import torch
