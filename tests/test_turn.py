@@ -24,6 +24,9 @@ def _inputs(shape, dtype, layout, seed=0):
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     if layout == "transposed":  # q as attention gets it: [B, L, H, D] viewed as [B, H, L, D]
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "packed":  # q sliced from a fused qkv projection [B, L, 3, H, D]: not dense
+        B, H = shape[0], shape[1]
+        x = torch.randn(B, L, 3, H, D, generator=g, dtype=torch.float64)[:, :, 0].transpose(1, 2)
     elif layout == "strided":  # every other position: a row stride the kernel must follow
         x = torch.randn(*shape[:-2], 2 * L, D, generator=g, dtype=torch.float64)[..., ::2, :]
     C, S = (torch.randn(L, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -31,6 +34,7 @@ def _inputs(shape, dtype, layout, seed=0):
 
 
 @pytest.mark.parametrize("shape,layout", [((2, 3, 5, 6), "contiguous"), ((2, 3, 37, 80), "transposed"),
+                                          ((2, 3, 21, 16), "packed"),
                                           ((1, 2, 9, 16), "strided"), ((3, 11, 10), "contiguous"),
                                           ((70, 64), "contiguous")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,6 +46,8 @@ def test_kernel_equals_the_rotation_in_fp64_forward_and_backward(interpret, shap
     x = x.requires_grad_(True)
     y = turn.turn(x, C, S)
     assert y.shape == x.shape and y.dtype == dtype and (layout != "transposed" or y.stride() == x.stride())
+    if layout == "packed":  # dense, in x's order: [B, L, H, D] read as [B, H, L, D], as v is
+        assert y.transpose(1, 2).is_contiguous()
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
     (gx,) = torch.autograd.grad(y, x, g)
     x64 = x.detach().double().requires_grad_(True)
