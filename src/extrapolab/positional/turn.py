@@ -133,24 +133,13 @@ def _kernel(interpret: bool):
     return turn_kernel
 
 
-def _like(x: torch.Tensor) -> torch.Tensor:
-    """An empty dense tensor of x's shape whose dimensions lie in memory in the order of x's strides: x's own strides
-    when x is dense; for a q or k sliced from the fused qkv projection ([B, L, 3, H, D] read as [B, H, L, D], not
-    dense) a [B, L, H, D] tensor read the same way -- the order v keeps, so SDPA gets q, k and v in one order
-    (``empty_like`` would give a contiguous [B, H, L, D] instead; on an H200 the schemes whose q and k change
-    layout that way had 13-17 ms more host time a step than ALiBi, cause not established: bench --groups layouts)."""
-    order = sorted(range(x.dim()), key=lambda i: -x.stride(i))  # outermost dimension first
-    y = x.new_empty([x.shape[i] for i in order])
-    return y.permute([order.index(i) for i in range(x.dim())])
-
-
 def _operand(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, list]:
     """(y, the kernel's arguments for one operand): y [..., L, d] in x's layout where x is dense."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     C = C if C.stride(-1) == 1 else C.contiguous()
     S = S if S.stride(-1) == 1 else S.contiguous()
-    y = _like(x)  # [..., L, d] in x's memory order (a transposed q stays transposed)
+    y = torch.empty_like(x)  # x's strides when x is dense (a transposed q stays transposed), else contiguous
     x4, y4 = x, y
     while x4.dim() < 4:
         x4, y4 = x4.unsqueeze(0), y4.unsqueeze(0)  # [B, H, L, d]
