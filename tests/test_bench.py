@@ -386,7 +386,9 @@ def test_layouts_group_times_sdpa_in_the_models_three_layouts_with_their_gradien
     (q, k, v), leaves = _inputs("packed", 2, 3, 8, 4, "cpu", torch.float32, g)
     assert len(leaves) == 1 and q.stride() == k.stride() == v.stride() and not q.is_contiguous()
     (q, k, v), leaves = _inputs("qk-own", 2, 3, 8, 4, "cpu", torch.float32, g)
-    assert q.is_contiguous() and k.is_contiguous() and not v.is_contiguous() and len(leaves) == 3
+    assert q.transpose(1, 2).is_contiguous() and k.stride() == q.stride() != v.stride() and len(leaves) == 3
+    rotated = torch.empty_like(_inputs("packed", 2, 3, 8, 4, "cpu", torch.float32, g)[0][0])  # turn's output
+    assert rotated.stride() == q.stride()  # the layout rotary hands SDPA
     (q, k, v), leaves = _inputs("contiguous", 2, 3, 8, 4, "cpu", torch.float32, g)
     assert all(t.is_contiguous() for t in (q, k, v))
     res = run_bench(["rotary"], lengths_train=(16,), model_cfg=TINY, groups=["layouts"], repeats=2, warmup=1,

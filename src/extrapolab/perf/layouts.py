@@ -2,7 +2,7 @@
 
 NoPE, ALiBi, Qin and T5 pass q, k and v as three views of one fused qkv projection ([B, L, 3, H, D] read as
 [B, H, L, D]); rotary, xPos and NoPE head scale pass a q and k of their own (the rotation or the per-head scale
-writes new [B, H, L, D] tensors) beside v's view. On an H200 (2026-11-27, docs/results/gpu-h200-2026-11-27.md)
+writes new dense tensors, in the projection's [B, L, H, D] order) beside v's view: same order, other strides. On an H200 (2026-11-27, docs/results/gpu-h200-2026-11-27.md)
 the latter three trained 13-17 ms a step slower than ALiBi with as many kernel launches and kernel time within
 1.10x NoPE's: the host's time, not the GPU's. This group times ``scaled_dot_product_attention(is_causal=True)``
 forward + backward at each train length and batch, per layout: wall time per call (queue drained before and after
@@ -22,8 +22,8 @@ from .timing import rotated, sync
 
 #: label -> who hands SDPA that layout
 LAYOUTS = {"packed": "q, k, v: views of one fused projection (NoPE, ALiBi, Qin, T5)",
-           "qk-own": "q, k new contiguous tensors, v a view (rotary, xPos, NoPE head scale)",
-           "contiguous": "q, k, v each contiguous"}
+           "qk-own": "q, k dense [B, L, H, D], v a view (rotary, xPos, NoPE head scale)",
+           "contiguous": "q, k, v each a contiguous [B, H, L, D]"}
 
 
 def _inputs(kind: str, B: int, H: int, L: int, D: int, dev, dtype, g) -> tuple[tuple, tuple]:
@@ -37,8 +37,8 @@ def _inputs(kind: str, B: int, H: int, L: int, D: int, dev, dtype, g) -> tuple[t
     views = [P[:, :, i].transpose(1, 2) for i in range(3)]  # each [B, H, L, D], strides of P
     if kind == "packed":
         return tuple(views), (P,)
-    q, k = leaf(B, H, L, D), leaf(B, H, L, D)
-    return (q, k, views[2]), (q, k, P)
+    Q, K = leaf(B, L, H, D), leaf(B, L, H, D)  # what empty_like of a view of P gives: P's order, dense
+    return (Q.transpose(1, 2), K.transpose(1, 2), views[2]), (Q, K, P)
 
 
 def bench_layouts(ctx: Context) -> dict:
