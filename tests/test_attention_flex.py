@@ -258,12 +258,14 @@ def _flex_calls(monkeypatch) -> list:
 def test_cuda_flex_forward_and_gradients_equal_plain(name, dtype, monkeypatch):
     """A training step through the compiled FlexAttention kernel matches the plain path at head_dim
     64, below and above the 128-block: in fp32 to fp32 rounding; in bf16 within twice the plain
-    path's own bf16 error against fp32 (plus 1e-3)."""
+    path's own bf16 error against fp32 (plus 1e-3). fp32 at 300 tokens only (whole blocks and a partial one):
+    each length is a cold compile, and the fp32 half of this matrix took 80-120 s a test on an H200
+    (docs/results/gpu-h200-2026-11-27.md), most of the GPU check's pytest stage."""
     dense = eager_dense_calls(monkeypatch)
     calls = _flex_calls(monkeypatch)
     launched = launch_spy(monkeypatch, flex.table_grad)  # a learnable table's gradient: the kernel, never atomics
     m = _gpt(name)
-    for L in (100, 300):
+    for L in ((300,) if dtype == torch.float32 else (100, 300)):
         idx = torch.randint(0, 64, (2, L), device="cuda", generator=torch.Generator("cuda").manual_seed(L))
         o_ref, g_ref = _run(m, idx, "plain", torch.float32)
         calls.clear()
