@@ -139,8 +139,9 @@ class Compiled:
 
     Each call passes the tiles of :func:`.flex_tiles.plan` for its device, dtype, head size and whether the
     score_mod gathers (``gather``); a compile that fails "out of resource", or that Triton rejects for these tiles
-    (:func:`.flex_tiles.compile_failure`), is retried once on the plan's smaller rung, and when that fails too the call raises :class:`OutOfResource` (attend() then takes the Toeplitz or
-    split path with a one-line warning). With gradients the backward is compiled together with the forward
+    (:func:`.flex_tiles.compile_failure`), is retried once on the plan's smaller rung, and when that fails too
+    the call raises :class:`OutOfResource` (attend() then takes the Toeplitz or split path with a one-line
+    warning). With gradients the backward is compiled together with the forward
     (``force_non_lazy_backward_lowering``), so a backward that does not fit fails here too, where the next
     rung can still be tried, and never later inside ``loss.backward()``. The rung that compiled is kept per
     (device, dtype, head size, gather, grad, heavy); :attr:`events` records every first call of a new shape (its
