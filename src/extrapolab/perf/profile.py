@@ -10,9 +10,9 @@ the fastest of 3 unprofiled steps beside them, and is off by default (``--groups
 ``train,profile``). On a GPU the two together tell a step bound by its kernels (busy ≈ step) from one bound by
 the host launching them (busy far below the step: GPT-2 small at 16 x 512 may be one -- every eager operator a
 scheme adds per layer then costs its launch, whatever its arithmetic). On a GPU each row also lists the host's side
-of the profiled step (CPU events by self time): on an H200 (2026-11-27) rotary's, xPos's and NoPE head scale's
-steps took 13-17 ms more than ALiBi's with as many launches and kernel time within 1.10x NoPE's, which the kernel
-list alone could not explain.
+of the profiled step (CPU events by self time): on an H200 (2026-11-27) rotary's and xPos's steps took 13-17 ms
+more than ALiBi's with as many launches, head scale's 13 ms, each with kernel time within 1.10x NoPE's, which the
+kernel list alone could not explain.
 """
 from __future__ import annotations
 
