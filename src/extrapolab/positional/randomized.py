@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .base import SchemeError
+from .positions import to_device
 
 STREAM_TRAIN, STREAM_VALID, STREAM_EVAL = 0x7A1, 0x7A2, 0x7A3  # independent draws for each use
 
@@ -77,12 +78,8 @@ class PositionSampler:
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(stream)])))
 
     def draw(self, length: int, device=None) -> torch.Tensor:
-        """[length] int64, strictly increasing, in [0, max_length). To CUDA through pinned memory without blocking
-        (a copy from pageable memory waits for every queued kernel: once per training step here)."""
-        host = torch.from_numpy(draw(self.rng, self.max_length, length))  # [length]
-        if device is not None and torch.device(device).type == "cuda":
-            return host.pin_memory().to(device, non_blocking=True)
-        return host.to(device)
+        """[length] int64, strictly increasing, in [0, max_length); to CUDA without blocking (:func:`.to_device`)."""
+        return to_device(torch.from_numpy(draw(self.rng, self.max_length, length)), device)
 
     def state_dict(self) -> dict:
         return {"bit_generator": self.rng.bit_generator.state}

@@ -31,6 +31,7 @@ from ..io import UserError, run_lock
 from ..model.attention import AttnOptions, flush_denormals
 from ..model.regular_lm import build_model
 from ..positional import randomized
+from ..positional.positions import to_device
 from . import dist as D
 from . import records as R
 from . import tb
@@ -38,7 +39,7 @@ from .setup import check_train, load_data, same_data, write_checksum
 from .checkpoint import aliases, checkpoint_path, clean_stale, full_weights, load_checkpoint, save_checkpoint, unique_weights
 from .optim import build_optimizer, lr_at, set_lr
 from .sampler import WindowSampler, valid_windows
-from .step import autocast, forward_backward, host_rng, resolve_precision, set_host_rng, to_device
+from .step import autocast, forward_backward, host_rng, resolve_precision, set_host_rng
 
 def train(cfg: RunConfig, run_dir: Path | None = None, *, data=None, resume: bool = True,
           progress: bool = True, stop_after: int | None = None) -> dict:
@@ -190,7 +191,7 @@ class _Trainer:
                 if self.stop_after is not None and self.step >= self.stop_after:
                     break
                 t0 = time.perf_counter()
-                batches = [to_device(b, env.device) for b in self.sampler.step_batches()]  # [b, L+1]
+                batches = [to_device(torch.from_numpy(b), env.device) for b in self.sampler.step_batches()]  # [b, L+1]
                 positions = None if self.positions is None else \
                     [self.positions.draw(cfg.model.train_length, env.device) for _ in batches]  # [L] per micro-batch
                 first_batch = first_batch or hashlib.sha256(batches[0].cpu().numpy().tobytes()).hexdigest()

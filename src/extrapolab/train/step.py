@@ -39,15 +39,6 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host batch on ``device``: to CUDA through pinned memory without blocking (a copy from pageable memory makes
-    the host wait for every queued kernel, once a step: the host could not run ahead into the next step)."""
-    host = torch.from_numpy(array)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def forward_backward(model, micro_batches, precision="fp32", device=torch.device("cpu"), scaler=None,
                      positions=None, opts=None) -> torch.Tensor:
     """Accumulate gradients of the mean next-token loss over ``micro_batches`` (each [b, L+1]).
