@@ -394,7 +394,8 @@ def test_layouts_group_times_sdpa_in_the_models_three_layouts_with_their_gradien
     res = run_bench(["rotary"], lengths_train=(16,), model_cfg=TINY, groups=["layouts"], repeats=2, warmup=1,
                     progress=False)
     rows = res["layouts"]["16"]
-    assert list(rows) == list(LAYOUTS) and rows["packed"]["wall_ratio"] == 1.0
+    assert list(rows) == list(LAYOUTS) and rows["packed"]["wall_ratio"]["median"] == 1.0
     for r in rows.values():
-        assert 0 < r["host_ms"] <= r["wall_ms"] and len(r["rounds"]["wall"]) == 2
+        assert 0 < r["host_ms"] <= r["wall_ms"] and len(r["wall_s"]) == len(r["host_s"]) == 2
+        assert all(h <= w for h, w in zip(r["host_s"], r["wall_s"]))
     assert "### SDPA layouts, L = 16" in format_table(res) and "layouts" not in DEFAULT_GROUPS

@@ -76,9 +76,14 @@ def window_limited(model: GPT, L: int) -> bool:
     return bool(torch.isinf(b).any())
 
 
+def batch_of(ctx: Context, L: int) -> int:
+    """Sequences per train row at L_tr = L: ``batch``, or batch_tokens // L."""
+    return int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+
+
 def train_batch(ctx: Context, L: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(B, x, y) of the train rows at L_tr = L: ``batch`` or batch_tokens // L sequences, seeded by L, on the device."""
-    B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+    """(B, x, y) of the train rows at L_tr = L: :func:`batch_of` sequences, seeded by L, on the device."""
+    B = batch_of(ctx, L)
     idx = torch.randint(0, ctx.cfg.vocab_size, (B, L + 1), generator=torch.Generator().manual_seed(L))
     return B, idx[:, :-1].to(ctx.device), idx[:, 1:].to(ctx.device)  # [B, L] each
 

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from .context import Context
-from .timing import rotated, sync
+from .groups import batch_of
+from .timing import fmt_ratio, paired_ratio, rotated, sync
 
 #: label -> who hands SDPA that layout
 LAYOUTS = {"packed": "q, k, v: views of one fused projection (NoPE, ALiBi, Qin, T5)",
@@ -43,13 +44,14 @@ def _inputs(kind: str, B: int, H: int, L: int, D: int, dev, dtype, g) -> tuple[t
 
 
 def bench_layouts(ctx: Context) -> dict:
-    """{L: {layout: {wall_ms, host_ms (medians over rounds, per call), wall_ratio (to packed), per-round lists}}}."""
+    """{L: {layout: {wall_s, host_s (per round, per call), wall_ms, host_ms (their medians), wall_ratio (to packed's
+    call in the same round: :func:`.timing.paired_ratio`)}}}."""
     cfg, dev = ctx.cfg, ctx.device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(ctx.precision, torch.float32)
     H, D, n = cfg.heads, cfg.dim // cfg.heads, cfg.layers
     out = {}
     for L in ctx.opts["lengths_train"]:
-        B = int(ctx.opts.get("batch") or max(1, ctx.opts["batch_tokens"] // L))
+        B = batch_of(ctx, L)
         ctx.say(f"layouts L={L}, batch {B}: {len(LAYOUTS)} layouts x {ctx.rounds} rounds x {n} SDPA calls")
         g = torch.Generator().manual_seed(L)
         jobs = {}
@@ -64,7 +66,8 @@ def bench_layouts(ctx: Context) -> dict:
         for fn in jobs.values():
             for _ in range(max(1, ctx.warmup)):
                 fn()
-        times = {kind: {"wall": [], "host": []} for kind in jobs}
+        rows = {kind: {"wall_s": [], "host_s": [], "batch": B, "who": LAYOUTS[kind],
+                       **ctx.prov(L=L, batch=B, group="layouts")} for kind in jobs}
         for r in range(ctx.rounds):
             for kind in rotated(list(jobs), r):
                 sync(dev)
@@ -73,14 +76,12 @@ def bench_layouts(ctx: Context) -> dict:
                     jobs[kind]()
                 t1 = time.perf_counter()
                 sync(dev)
-                t2 = time.perf_counter()
-                times[kind]["host"].append(1e3 * (t1 - t0) / n)
-                times[kind]["wall"].append(1e3 * (t2 - t0) / n)
-        base = times["packed"]["wall"]
-        out[str(L)] = {kind: {"wall_ms": statistics.median(t["wall"]), "host_ms": statistics.median(t["host"]),
-                              "wall_ratio": statistics.median(a / b for a, b in zip(t["wall"], base)),
-                              "batch": B, "rounds": t, "who": LAYOUTS[kind], **ctx.prov(L=L, batch=B, group="layouts")}
-                       for kind, t in times.items()}
+                rows[kind]["host_s"].append((t1 - t0) / n)
+                rows[kind]["wall_s"].append((time.perf_counter() - t0) / n)
+        for r in rows.values():
+            r.update(wall_ms=1e3 * statistics.median(r["wall_s"]), host_ms=1e3 * statistics.median(r["host_s"]),
+                     wall_ratio=paired_ratio(r, rows["packed"], "wall_s"))
+        out[str(L)] = rows
     return out
 
 
@@ -92,6 +93,6 @@ def format_layouts(res: dict) -> list[str]:
         lines += ["", f"### SDPA layouts, L = {L} (batch {B}; is_causal, forward + backward per call)", "",
                   "host ms: the calls' enqueue time; near the wall time a call is bound by the host.", "",
                   "| layout | handed over by | wall ms | host ms | wall ×packed |", "|---|---|---|---|---|"]
-        lines += [f"| {k} | {r['who']} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | {r['wall_ratio']:.2f} |"
+        lines += [f"| {k} | {r['who']} | {r['wall_ms']:.3f} | {r['host_ms']:.3f} | {fmt_ratio(r['wall_ratio'])} |"
                   for k, r in rows.items()]
     return lines
