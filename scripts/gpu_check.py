@@ -227,9 +227,9 @@ def main(argv=None) -> int:
             _stage(name, cmd, out, LIMITS[name] * slack, stages, extra)
             record.write_text(json.dumps(stages, indent=1))
     stages = {k: stages[k] for k in cmds if k in stages}
-    saved.write_text(json.dumps(env | {"wall_s": round(time.time() - t0 + float(
-        json.loads(saved.read_text()).get("wall_s", 0) if saved.is_file() and want else 0), 1)}, indent=1))
-    env = json.loads(saved.read_text())
+    before = float(json.loads(saved.read_text()).get("wall_s", 0)) if saved.is_file() and want else 0.0
+    env["wall_s"] = round(time.time() - t0 + before, 1)  # this command's and the earlier ones' into OUT
+    saved.write_text(json.dumps(env, indent=1))
     _report(out, env, stages, env["wall_s"], dry)
     return 0 if all(s["rc"] == 0 for s in stages.values()) else 1
 
