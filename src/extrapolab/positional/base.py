@@ -204,7 +204,8 @@ class PositionalScheme(nn.Module):
         """[H] float64 when this layer's whole additive term is -slope_h·(p_m - p_n) (ALiBi form),
         with p the token positions or, for ``has_content`` schemes, ``content_positions``; else None.
         Attention then folds the key term into one extra head dimension (docs/attention.md), exact
-        at any positions, gaps and random draws included."""
+        at any positions, gaps and random draws included. On the scheme's device (a buffer, or
+        :meth:`on_device`): attention calls it per layer, and a host tensor would be copied each time."""
         return None
 
     def content_positions(self, x: torch.Tensor, layer: int = 0,
