@@ -45,6 +45,21 @@ class CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class count_ops(TorchDispatchMode):
+    """Operators dispatched inside the block, by name (a Counter; views included): on a GPU each one that computes
+    is a kernel launch, so this counts what an eager step costs the host."""
+
+    def __enter__(self):
+        from collections import Counter
+        self.counts = Counter()
+        super().__enter__()
+        return self.counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func._schema.name.split("::")[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
 #: ops whose boolean-mask index is expanded by a nonzero() inside the kernel (a sync no dispatch mode sees)
 BOOL_INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 

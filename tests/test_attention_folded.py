@@ -11,7 +11,7 @@ from torch.profiler import profile
 
 from extrapolab import positional
 from extrapolab.memory import PeakMemory
-from extrapolab.model import attention as attn_mod
+from extrapolab.model import attention as attn_mod, folded as folded_mod
 from extrapolab.model.attention import AttnOptions, attend
 from extrapolab.model.gpt import GPT, ModelConfig
 
@@ -170,6 +170,77 @@ def test_bf16_kernel_keeps_the_bias_to_16_more_bits():
     err = (out.double() - ref).abs().max().item()
     assert err < 0.03, err  # bf16 output rounding
     assert (coarse.double() - ref).abs().max().item() > 3 * err  # what a single 16-bit column would cost
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+@pytest.mark.parametrize("tau_rows", [False, True])
+def test_padded_head_and_per_query_tau_keep_forward_and_gradients_exact(multiple, tau_rows, monkeypatch):
+    """With the head padded to a multiple of 8 by zero columns (what CUDA's flash kernels need, forced here on
+    the CPU) and with or without a per-query temperature (the exact and the general query columns), in one
+    group and in several: forward and gradients to q, k, v and p equal the formula in fp64."""
+    monkeypatch.setattr(folded_mod, "HEAD_MULTIPLE", {"cpu": multiple})
+    monkeypatch.setattr(folded_mod, "FOLD_GROUP", 16)  # 40 queries: 3 groups (one-hot query columns)
+    s = positional.build("fox", num_heads=3, dim=8, layers=1)
+    q, k, v = _qkv(2, 3, 40, 40, 6, seed=11)
+    p = torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(12), dtype=torch.float64).cumsum(-1)
+    p.requires_grad_()
+    pos = torch.arange(40)
+    tr = (0.5 + torch.rand(1, 3, 40, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+          if tau_rows else None)
+    ones = torch.ones(3, dtype=torch.float64)
+    for rows in (slice(None), slice(30, 40)):  # several groups (40 rows), one group (10 rows)
+        out = folded_mod.folded_attention(q[:, :, rows], k, v, pos[rows], pos, ones, p[..., rows], p,
+                                          base_scale=1 / math.sqrt(6), scale=1 / math.sqrt(6),
+                                          tau_rows=None if tr is None else tr[..., rows], same=rows == slice(None))
+        ref = _dense(q[:, :, rows], k, v, pos[rows], pos, ones, p[..., rows], p,
+                     tau_rows=None if tr is None else tr[..., rows])
+        go = torch.randn_like(ref)
+        got = torch.autograd.grad(out, (q, k, v, p), go)
+        want = torch.autograd.grad(ref, (q, k, v, p), go)
+        assert out.shape == ref.shape and (out - ref).abs().max() < 1e-12, rows
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() < 1e-10, rows
+
+
+def test_bf16_fold_gives_p_the_gradient_of_the_formula():
+    """Under bf16 autocast the key column is split hi + lo (one column's worth of gradient, d hi): the gradient to
+    FoX-like positions matches the fp64 formula's on the same bf16 inputs within bf16 rounding; counting both
+    halves' gradients would double it."""
+    q, k, v = _qkv(1, 2, 256, 256, 16, seed=14, dtype=torch.float32, grad=False)
+    q, k, v = (t.bfloat16().float() for t in (q, k, v))  # exact in bf16: the kernel sees these
+    p = (0.3 + 0.4 * torch.rand(1, 2, 256, generator=torch.Generator().manual_seed(15), dtype=torch.float64))
+    p = p.cumsum(-1).requires_grad_()
+    s = positional.build("fox", num_heads=2, dim=8, layers=1)
+    pos = torch.arange(256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(), content=(p, p))
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(16))
+    got, = torch.autograd.grad(out.float(), p, go)
+    ref = _dense(q.double(), k.double(), v.double(), pos, pos, torch.ones(2, dtype=torch.float64), p, p)
+    want, = torch.autograd.grad(ref, p, go.double())
+    err = float((got - want).norm() / want.norm())
+    assert err < 0.02, err
+
+
+def test_a_training_call_builds_no_constants_and_slices_nothing_twice():
+    """A one-group call (a training step) after the first: its query columns and padding are cached (no zeros,
+    ones or fills), the hi/lo split's backward is one kernel, and nothing is sliced on its whole range (whose
+    backward would zero-fill a copy): the folded layer's operator count, which on a GPU is its launches."""
+    from flexspy import count_ops
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(scheme="fox", vocab_size=50, dim=32, heads=4, layers=1, train_length=64))
+    idx = torch.randint(0, 50, (2, 64), generator=torch.Generator().manual_seed(2))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(idx)
+        out.float().square().mean().backward()
+    step()
+    with count_ops() as ops:
+        step()
+    made = {n: c for n, c in ops.items() if n in ("zeros", "ones", "new_zeros", "fill_", "zero_", "ones_like")}
+    assert made == {"ones_like": 1}, made  # the loss's own backward seed
+    assert ops["slice_backward"] == 1  # the output's (it drops the bias columns); none of a whole range
 
 
 @pytest.mark.parametrize("name", ["fox", "alibi"])

@@ -41,3 +41,23 @@ def test_the_training_forward_compiles_to_one_graph_equal_to_eager(name, monkeyp
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_fox_under_bf16_autocast_compiles_to_one_graph_equal_to_eager():
+    """As a GPU trains FoX (bf16 autocast): the folded path's hi/lo split of the key column (an autograd Function)
+    traces into the same one graph, forward and backward equal to eager mode."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(scheme="fox", vocab_size=64, dim=32, heads=2, layers=2, train_length=64))
+    idx = torch.randint(0, 64, (2, 64), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    outs = []
+    for model in (m, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(idx)
+        outs.append((out, torch.autograd.grad(out.float().square().mean(), list(m.parameters()))))
+    (want, g_want), (got, g_got) = outs
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    torch._dynamo.reset()

@@ -31,6 +31,13 @@ kernel runs in 16 bits (bf16/fp16 inputs or autocast), each key column is split 
 columns, both exact in 16 bits (with a per-query tau, q's column into hi, hi, lo), so the fp32
 accumulation keeps ~16 more bits. On CUDA the head size is padded with zero columns to a multiple
 of 8, which the flash kernels need.
+
+Launches: a GPU's train step of GPT-2 small at 16 x 512 is host-bound, every eager operator one kernel launch
+(FoX on an H200: 1,724 launches a step against NoPE's 922, 47.1 ms for 27.9 ms of kernels;
+docs/results/gpu-h200-2026-11-27.md). So a training call (one group) takes its query columns and zero padding
+from a cache, the hi/lo split's backward is one kernel (:class:`_HiLo`), the re-centring point r gets no gradient
+(the softmax cancels it: exact), and no tensor is sliced on its whole range: on the CPU, with bf16 autocast, a
+FoX layer's train step dispatches 115 operators where it dispatched 130 (NoPE's: 74).
 """
 from __future__ import annotations
 
@@ -44,28 +51,96 @@ from .sinks import compute_dtype, sink_sdpa
 FOLD_GROUP = 512
 #: re-centring columns of a whole-input call at most (its groups grow beyond FOLD_GROUP rows past 8·512 tokens)
 FOLD_GROUPS = 8
+#: the head size the fused kernels need a multiple of, per device type (CUDA's flash kernels: 8), reached with zero
+#: columns
+HEAD_MULTIPLE = {"cuda": 8}
+
+
+class _HiLo(torch.autograd.Function):
+    """x (fp32/fp64) -> (hi, lo), each exact in the 16-bit ``low``, hi + lo = x to ~2^-16 relative: one rounding
+    and one mixed-dtype subtraction forward. Backward d(x) = d(hi): lo is x's rounding residue, whose derivative is
+    0 -- what autograd of the same arithmetic gives, in one kernel instead of seven and without rounding -d(lo) to
+    16 bits on its way back through hi."""
+
+    @staticmethod
+    def forward(ctx, x, low):
+        ctx.dtype = x.dtype
+        hi = x.to(low)
+        return hi, (x - hi).to(low)  # x - hi in x's dtype (type promotion: one kernel)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dhi, dlo):
+        return (None if dhi is None else dhi.to(ctx.dtype)), None
 
 
 def _split(x: torch.Tensor, low: torch.dtype | None, dtype: torch.dtype) -> list[torch.Tensor]:
     """x as one column (fp32/fp64 kernels) or as hi + lo, each exact in the 16-bit ``low``; in ``dtype``."""
     if low is None:
         return [x.to(dtype)]
-    hi = x.to(low)
-    return [hi.to(dtype), (x - hi.to(x.dtype)).to(low).to(dtype)]
+    return [t.to(dtype) for t in _HiLo.apply(x, low)]
 
 
-def _columns(c: torch.Tensor, tq: torch.Tensor, exact_q: bool, low, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query columns [.., bq, E], key columns [.., bk, E]) whose row-by-column products sum to
-    tq·c over the G groups: exactly in fp32, to ~2^-16 relative in 16 bits (t·c ~ th·ch + th·cl +
-    tl·ch; th·ch + th·cl when t is exact, a one-hot)."""
+#: constants of the fold (a call's zero padding, a one-group call's query columns), built once per key
+_CONST: dict = {}
+
+
+def _const(key: tuple, build) -> torch.Tensor:
+    """The cached tensor of ``key`` (dtype and device in it), built by ``build()`` on first use; tensors built in
+    inference mode are kept apart (autograd may not use them). Code torch.compile traces builds its own (the
+    graph holds its constants)."""
+    if torch.compiler.is_compiling():
+        return build()
+    key = key + (torch.is_inference_mode_enabled(),)
+    hit = _CONST.get(key)
+    if hit is None:
+        if len(_CONST) >= 64:  # shapes vary (decoding chunks): keep the cache small
+            _CONST.clear()
+        hit = _CONST[key] = build()
+    return hit
+
+
+def _zeros(shape: tuple, dtype, device) -> torch.Tensor:
+    """Zeros of ``shape`` (an expanded cached scalar: nothing to launch)."""
+    return _const(("zero", dtype, torch.device(device)), lambda: torch.zeros((), dtype=dtype, device=device)).expand(shape)
+
+
+def _ones_columns(bq: int, E: int, pad: int, dtype, device) -> torch.Tensor:
+    """[bq, E + pad]: a one-group call's query columns (a column of ones, in 16 bits its hi half twice), then
+    ``pad`` zero columns; cached, so a training step builds none."""
+    def build():
+        t = torch.zeros(bq, E + pad, dtype=dtype, device=device)  # [bq, E + pad]
+        t[:, :E] = 1
+        return t
+    return _const(("ones", bq, E, pad, dtype, torch.device(device)), build)
+
+
+def _columns(c: torch.Tensor, tq: torch.Tensor | None, exact_q: bool, low, dtype,
+             pad: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(query columns [.., bq, E + pad], key columns [.., bk, E + pad]) whose row-by-column products sum to
+    tq·c over the G groups, then ``pad`` zero columns: exactly in fp32, to ~2^-16 relative in 16 bits (t·c ~
+    th·ch + th·cl + tl·ch; th·ch + th·cl when t is exact, a one-hot). ``tq`` None: the query columns are
+    :func:`_ones_columns`' (one group, exact), and only the key columns are built (query columns None)."""
     cs = _split(c, low, dtype)  # each [.., bk, G]
+    zk = [_zeros((*c.shape[:-1], pad), dtype, c.device)] if pad else []  # [.., bk, pad]
+
+    def zq():
+        return [_zeros((*tq.shape[:-1], pad), dtype, tq.device)] if pad else []  # [.., bq, pad]
     if low is None:
-        return tq.to(dtype), cs[0]
+        return (None if tq is None else torch.cat([tq.to(dtype)] + zq(), -1)), torch.cat(cs + zk, -1)
     if exact_q:  # a one-hot (or ones) is exact in 16 bits: its hi half only
-        th = tq.to(low).to(dtype)  # [.., bq, G]
-        return torch.cat([th, th], -1), torch.cat(cs, -1)
+        if tq is None:
+            return None, torch.cat(cs + zk, -1)
+        th = tq.to(dtype)  # [.., bq, G]
+        return torch.cat([th, th] + zq(), -1), torch.cat(cs + zk, -1)
     ts = _split(tq, low, dtype)  # each [.., bq, G]
-    return torch.cat([ts[0], ts[0], ts[1]], -1), torch.cat([cs[0], cs[1], cs[0]], -1)
+    return torch.cat([ts[0], ts[0], ts[1]] + zq(), -1), torch.cat([cs[0], cs[1], cs[0]] + zk, -1)
+
+
+def _rows(x: torch.Tensor, a: int, b: int, dim: int = -1) -> torch.Tensor:
+    """x's entries a..b-1 along ``dim``; x itself for all of them (a whole-range slice would cost its backward a
+    zero-filled copy)."""
+    return x if a == 0 and b == x.shape[dim] else x.narrow(dim, a, b - a)
 
 
 def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, scale, sink_rows=None):
@@ -75,27 +150,32 @@ def _call(q, k, v, pq, pk, s, *, r0, r1, lo, hi, mask, causal, tau_rows, low, sc
     bq, bk = r1 - r0, hi - lo
     G = min(FOLD_GROUPS, max(1, -(-bq // FOLD_GROUP)))
     gs = -(-bq // G)  # rows per group
-    if G == 1:  # one group (a training length): the same numbers in a slice and a column of ones, 10 kernels fewer
+    E = G * (1 if low is None else 2 if tau_rows is None else 3)  # bias columns
+    pad = (-(D + E)) % HEAD_MULTIPLE.get(q.device.type, 1)  # zero columns: CUDA flash kernels take head size % 8
+    if G == 1:  # one group (a training length): a slice, and query columns of ones (cached when exact)
         grp = None
-        refs = pq[..., r0 + bq // 2:r0 + bq // 2 + 1]  # [B|1, H|1, 1] p at the middle query
-        tq = torch.ones(bq, 1, device=q.device, dtype=torch.float64)  # [bq, 1]
+        refs = pq[..., r0 + bq // 2:r0 + bq // 2 + 1].detach()  # [B|1, H|1, 1] p at the middle query
+        tq = None if tau_rows is None else torch.ones(bq, 1, device=q.device, dtype=torch.float64)  # [bq, 1]
     else:
         grp = torch.arange(bq, device=q.device) // gs  # [bq] group of each row
         mids = r0 + torch.clamp(torch.arange(G, device=q.device) * gs + gs // 2, max=bq - 1)  # [G]
-        refs = pq[..., mids]  # [B|1, H|1, G] p at each group's middle query
+        refs = pq[..., mids].detach()  # [B|1, H|1, G] p at each group's middle query
         tq = (grp[:, None] == torch.arange(G, device=q.device)).to(torch.float64)  # [bq, G] one-hot, no read-back
-    c = (pk[..., lo:hi, None] - refs[..., None, :]) * s[..., None]  # [B|1, H, bk, G]
-    qb = q[:, :, r0:r1]
+    # refs detached: r is constant along each row (and shifts the sink alike), so the softmax cancels it and its
+    # gradient is 0 -- autograd would spend a zero-filled slice, a negation and a sum per layer to find that out
+    c = (_rows(pk, lo, hi)[..., None] - refs[..., None, :]) * s[..., None]  # [B|1, H, bk, G]
+    qb = _rows(q, r0, r1, -2)
     if tau_rows is not None:
         t = 1.0 / tau_rows[..., r0:r1].to(torch.float64)  # [B|1, H|1, bq]
         tq = tq * t[..., None]  # [B|1, H|1, bq, G]
         qb = qb * t.to(q.dtype)[..., None]  # [B, H, bq, D]: q·k / tau_m
-    qx, kx = _columns(c, tq, tau_rows is None, low, q.dtype)
-    E = qx.shape[-1]
-    pad = (-(D + E)) % 8 if q.device.type == "cuda" else 0  # CUDA flash kernels: head size % 8
-    qf = torch.cat([qb, qx.expand(B, H, bq, E), qb.new_zeros(B, H, bq, pad)], dim=-1)  # [B, H, bq, D+E+pad]
-    kf = torch.cat([k[:, :, lo:hi], kx.expand(B, H, bk, E), k.new_zeros(B, H, bk, pad)], dim=-1)
-    vf = F.pad(v[:, :, lo:hi], (0, E + pad))  # [B, H, bk, D+E+pad]: zero columns
+    qx, kx = _columns(c, tq, tau_rows is None, low, q.dtype, pad)
+    if qx is None:
+        qx = _ones_columns(bq, E, pad, q.dtype, q.device)  # [bq, E + pad]
+    W = E + pad
+    qf = torch.cat([qb, qx.expand(B, H, bq, W)], dim=-1)  # [B, H, bq, D + E + pad]
+    kf = torch.cat([_rows(k, lo, hi, -2), kx.expand(B, H, bk, W)], dim=-1)
+    vf = F.pad(_rows(v, lo, hi, -2), (0, W))  # [B, H, bk, D + E + pad]: zero columns
     if sink_rows is not None:  # the kernel's logits are shifted by the dropped row term; so is the sink
         sr = sink_rows if sink_rows.shape[-1] == 1 else sink_rows[..., r0:r1]  # [1, H, bq|1]
         shift = (pq[..., r0:r1] - (refs if grp is None else refs[..., grp])) * s  # [B|1, H, bq]: s_h·(p_m - r_g)
