@@ -19,10 +19,15 @@ Initialisation as the official code (github.com/zhixuan-lin/forgetting-transform
 ``modeling_forgetting_transformer.py``, ``fgate_type="full"``, read for this file): one gate
 projection nn.Linear(hidden_size, num_heads, bias=True) per layer, weight N(0, initializer_range =
 0.02), bias 0, so f ≈ σ(0) = 0.5 at the start and the model begins very local. (x-transformers'
-``DataDependentAlibi`` starts its gate near 0.993 instead; we follow the paper's code.) The gate
-logit is computed in fp32 and log f = logsigmoid(logit), as there.
+``DataDependentAlibi`` starts its gate near 0.993 instead; we follow the paper's code.) log f =
+logsigmoid(logit) in fp32, as there; the logit itself is computed in the gate's own dtype (fp32) even under
+autocast, where the official code's projection runs in 16 bits: more exact, and on a GPU six kernel launches
+fewer per layer and train step (autocast's casts of x, w and b, forward and backward; a GPT-2 small step there is
+host-bound, docs/results/gpu-h200-2026-11-27.md).
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,13 @@ from torch import nn
 
 from .base import PositionalScheme, SchemeError
 from .registry import register
+
+
+def _without_autocast(device_type: str):
+    """A context where autocast is off for ``device_type`` (nothing to do where it is not on, or has no autocast)."""
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()
 
 
 @register
@@ -60,7 +72,9 @@ class FoX(PositionalScheme):
     def log_gate(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """log f [B, H, L] (fp32) of x [B, L, dim] at ``layer``."""
         self._check_layer(layer)
-        logit = F.linear(x, self.w[layer], self.b[layer])  # [B, L, H]
+        w = self.w[layer]  # [H, dim]
+        with _without_autocast(x.device.type):  # in w's dtype: autocast would cast x, w and b each layer
+            logit = F.linear(x.to(w.dtype), w, self.b[layer])  # [B, L, H]
         return F.logsigmoid(logit.float()).transpose(1, 2)  # [B, H, L]
 
     def gate(self, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
