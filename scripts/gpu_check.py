@@ -42,12 +42,15 @@ ROOT = Path(__file__).resolve().parent.parent
 #: behind flex.AUTO_CONTENT); alibi@flex: a parameter-free table on FlexAttention beside the automatic rule's dense mask
 #: below flex.MIN_LENGTH (the A/B behind that length; Qin's measured it at 512 on 2026-11-27). Long rows: alibi@flex,
 #: ALiBi's forward on FlexAttention beside the folded path `auto` now takes (folded.LONG_EVAL, from FoX's 1.53x there)
-TRAIN_CHUNKS = {"a1": ("rotary", "xpos", "hybrid", "nope-headscale"), "a2": ("alibi", "sandwich", "windowed"),
+#: rotary+eager: rotary's rotations by the eager formula beside the fused kernel (positional/turn.py): on the H200
+#: (2026-11-27) rotary's steps ran 13-19 ms over NoPE's beside them with as many launches as ALiBi's, where the H100's
+#: eager rotation (2026-11-26) had cost 1.23x; the A/B says whether the kernel's launch costs the host that much
+ROTARY_FAMILY = ("rotary", "xpos", "hybrid", "nope-headscale")
+TRAIN_CHUNKS = {"a1": ROTARY_FAMILY + ("rotary+eager",), "a2": ("alibi", "sandwich", "windowed"),
                 "b1": ("qin-type1", "kerple-log", "t5"), "b2": ("fox", "fire"),
                 "c": ("t5@flex", "kerple-log@flex", "fire@flex", "fox@flex", "alibi@flex")}
-LONG_CHUNKS = {"a": TRAIN_CHUNKS["a1"] + TRAIN_CHUNKS["a2"] + ("alibi@flex",),
+LONG_CHUNKS = {"a": ROTARY_FAMILY + TRAIN_CHUNKS["a2"] + ("alibi@flex",),
                "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"]}
-SCHEMES = tuple(s for chunk in TRAIN_CHUNKS.values() for s in chunk)
 #: opt-in (`--stages bench-compile`; not in the default run, whose 15 minutes are taken): train rows with the model's
 #: forward through torch.compile, as `train.compile` trains (NoPE, the rotary family, FoX and the Toeplitz path's
 #: tables trace into one graph: tests/test_compile_graph.py), each beside eager NoPE
@@ -175,8 +178,8 @@ def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
                      str(out / "demo"), *dev, "--set", "sweep.schemes=[none,alibi]", "--set", "sweep.reference=alibi",
                      "--set", "sweep.time_budget_s=0", "--set", f"train.steps={20 if dry else 300}",
                      "--set", "eval.protocols=[nonoverlapping]"], {})
-    profiled = ("rotary",) if dry else ("rotary", "xpos", "nope-headscale", "alibi", "qin-type1", "t5", "t5@flex",
-                                         "fox", "fox@flex", "fire")
+    profiled = ("rotary",) if dry else ("rotary", "rotary+eager", "xpos", "nope-headscale", "alibi", "qin-type1", "t5",
+                                         "t5@flex", "fox", "fox@flex", "fire")
     cmds["profile"] = (bench + ["--schemes", ",".join(profiled), "--groups", "profile,layouts", "--out",
                                 str(out / "profile.json")], {})
     cmds["bench-compile"] = (bench + ["--schemes", ",".join(("rotary+compile",) if dry else COMPILE_ROWS),

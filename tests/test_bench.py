@@ -327,9 +327,25 @@ def test_scheme_plus_compile_rows_time_the_forward_through_torch_compile(monkeyp
     assert {"rotary", "rotary+compile", "alibi@sdpa+compile"} <= set(rows)
     assert rows["rotary+compile"]["scheme"] == "rotary" and set(rows["alibi@sdpa+compile"]["paths"]) == {"toeplitz"}
     assert sorted(compiled) == ["alibi", "rotary"]
-    with pytest.raises(UserError, match=r"SCHEME\[@IMPL\]\[\+compile\]") as err:
-        run_bench(["rotary+fast"], model_cfg=TINY, progress=False)
-    assert "\n" not in str(err.value)
+    for bad in ("rotary+fast", "rotary+compile+compile"):
+        with pytest.raises(UserError, match=r"SCHEME\[@IMPL\]\[\+OPTION...\] with OPTION one of compile, eager") as err:
+            run_bench([bad], model_cfg=TINY, progress=False)
+        assert "\n" not in str(err.value)
+
+
+def test_scheme_plus_eager_rows_rotate_by_the_eager_formula(monkeypatch):
+    """``rotary+eager`` times rotary with its rotations off the fused kernel (the A/B of the kernel's cost on a
+    GPU): every rotation of that row's calls, and only of that row's, sees the kernel disabled."""
+    from extrapolab.positional import rotary as rot, turn
+
+    seen = set()
+    real = rot.turn_pair
+    monkeypatch.setattr(rot, "turn_pair", lambda *a: seen.add(turn.ENABLED) or real(*a))
+    res = run_bench(["rotary", "rotary+eager"], lengths_train=(16,), model_cfg=TINY, repeats=1, warmup=1,
+                    groups=["train"], batch_tokens=32, threads=1, progress=False)
+    rows = res["train"]["16"]
+    assert rows["rotary+eager"]["scheme"] == "rotary" and turn.ENABLED
+    assert seen == {True, False}  # both rows rotated: the kernel allowed in one, off in the other
 
 
 def test_gpu_goal_verdicts_read_the_interval_not_the_median():

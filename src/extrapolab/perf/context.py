@@ -11,6 +11,7 @@ from .. import positional
 from ..io import UserError
 from ..model.attention import IMPLS, AttnOptions
 from ..model.gpt import GPT, ModelConfig
+from ..positional import turn
 from ..train.step import autocast
 from .timing import provenance
 
@@ -25,7 +26,8 @@ class Spec:
     path of the same scheme beside it, written ``name@impl``); ``model``: other ModelConfig fields of the row:
     attention options (e.g. ``{"sinks": True}``: docs/attention.md, "Model options") or layer types (a sweep
     entry's ``{layout: gemma3}``: positional/layout.py); ``compile``: the model's forward through torch.compile, as
-    ``train.compile`` trains it (written ``name+compile``)."""
+    ``train.compile`` trains it (written ``name+compile``); ``eager``: rotations by the eager formula instead of the
+    fused kernel (written ``name+eager``; positional/turn.py), the A/B of that kernel's cost on a GPU."""
     label: str
     name: str
     params: dict = field(default_factory=dict)
@@ -33,18 +35,25 @@ class Spec:
     impl: str = "auto"
     model: dict = field(default_factory=dict)
     compile: bool = False
+    eager: bool = False
+
+
+#: row options written after the scheme (and its @impl): ``+compile``, ``+eager``, or both
+ROW_OPTIONS = ("compile", "eager")
 
 
 def _spec(text: str) -> Spec:
     """"t5", "t5@sdpa" (the scheme on that attention implementation), "rotary+compile" (its forward through
-    torch.compile) or "t5@flex+compile" -> Spec."""
-    base, plus, suffix = text.partition("+")
-    if plus and suffix != "compile":
-        raise UserError(f"unknown row option {suffix!r} in {text!r}; write SCHEME[@IMPL][+compile]")
+    torch.compile), "rotary+eager" (its rotations without the fused kernel) or "t5@flex+compile" -> Spec."""
+    base, *options = text.split("+")
+    bad = [o for o in options if o not in ROW_OPTIONS]
+    if bad or len(set(options)) < len(options):
+        raise UserError(f"unknown or repeated row option {'+'.join(bad or options)!r} in {text!r}; write "
+                        f"SCHEME[@IMPL][+OPTION...] with OPTION one of {', '.join(ROW_OPTIONS)}")
     name, _, impl = base.partition("@")
     if impl and impl not in IMPLS:
         raise UserError(f"unknown attention impl {impl!r} in {text!r}; write SCHEME@IMPL with IMPL one of {', '.join(IMPLS)}")
-    return Spec(text, name, impl=impl or "auto", compile=bool(plus))
+    return Spec(text, name, impl=impl or "auto", compile="compile" in options, eager="eager" in options)
 
 
 def as_specs(schemes) -> list[Spec]:
@@ -98,6 +107,8 @@ def build_model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     model = GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params), **spec.model)).to(ctx.device)
     model.attn_opts = AttnOptions(impl=spec.impl)
+    if spec.eager:  # the rotations by the eager formula during this model's calls (forward, and so backward)
+        model.forward = turn.without_kernel(model.forward)
     if spec.compile:  # as the trainer does with train.compile (train/loop.py)
         model.forward = torch.compile(model.forward)
     return model

@@ -61,6 +61,20 @@ def fused_applies(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> bool:
     return _triton_version() is not None
 
 
+def without_kernel(fn):
+    """``fn`` with every rotation eager during its calls (an A/B of the kernel beside the eager formula: the bench's
+    ``SCHEME+eager`` rows wrap a model's forward in it; the backward follows what the forward ran)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        global ENABLED
+        was, ENABLED = ENABLED, False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            ENABLED = was
+    return run
+
+
 def turn(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
     """x * C + swap(x) * S for x [..., L, d] and C, S [L, d]: one fused kernel where it runs, else eager."""
     if fused_applies(x, C, S):
