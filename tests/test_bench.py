@@ -309,7 +309,12 @@ def test_profile_group_lists_each_schemes_operators_and_runs_only_on_request():
     for r in rows.values():
         assert r["top"] and r["kernel_ms"] > 0 and all(name.startswith("aten::") for name, _, _ in r["top"])
     assert rows["rotary"]["launches"] > rows["none"]["launches"]
-    assert "### profile: one train step, L_tr = 16" in format_table(res) and "| rotary | " in format_table(res)
+    for r in rows.values():  # on the CPU the host's time to issue a step is the step
+        assert 0 < r["host_step_ms"] and r["step_ms"] > 0
+    text = format_table(res)
+    assert "### profile: one train step, L_tr = 16" in text and "| rotary | " in text
+    busy = rows["rotary"]["kernel_ms"] / rows["none"]["kernel_ms"]
+    assert f"| {rows['rotary']['kernel_ms']:.1f} | {busy:.2f} |" in text and "| busy ×NoPE |" in text
     assert "profile" in GROUPS and "profile" not in DEFAULT_GROUPS
 
 

@@ -45,13 +45,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Wall seconds of one call, with the device's queue drained before and after."""
+def enqueued(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(host seconds, wall seconds) of one call with the queue drained before: the host's time is until ``fn``
+    returns, having issued its work (on a GPU, before waiting for it unless ``fn`` itself waits), the wall's until
+    the device has done it too. On the CPU the two are one."""
     sync(device)
     t0 = time.perf_counter()
     fn()
+    t1 = time.perf_counter()
     sync(device)
-    return time.perf_counter() - t0
+    return t1 - t0, time.perf_counter() - t0
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one call, with the device's queue drained before and after."""
+    return enqueued(fn, device)[1]
 
 
 def rotated(names: list[str], r: int) -> list[str]:
