@@ -353,6 +353,23 @@ def test_scheme_plus_eager_rows_rotate_by_the_eager_formula(monkeypatch):
     assert seen == {True, False}  # both rows rotated: the kernel allowed in one, off in the other
 
 
+def test_scheme_plus_cudnn_rows_put_cudnn_first_for_their_sdpa_calls(monkeypatch):
+    """``alibi+cudnn`` runs the row's model with SDPA's cuDNN backend first in line (the A/B beside flash on a GPU;
+    on the CPU SDPA has no cuDNN and runs as before): every SDPA call of that row, and only of that row, sees cuDNN
+    first, and the priority is SDPA's own again afterwards."""
+    import torch.nn.functional as F
+
+    order = torch._C._get_sdp_priority_order
+    before, seen = order(), set()
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: seen.add(order()[0]) or real(*a, **kw))
+    res = run_bench(["alibi", "alibi+cudnn"], lengths_train=(16,), model_cfg=TINY, repeats=1, warmup=1,
+                    groups=["train"], batch_tokens=32, threads=1, progress=False)
+    cudnn = int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+    assert res["train"]["16"]["alibi+cudnn"]["scheme"] == "alibi" and order() == before
+    assert seen == {before[0], cudnn} and before[0] != cudnn
+
+
 def test_gpu_goal_verdicts_read_the_interval_not_the_median():
     """The H200 run's rotary train step: median 1.48x over rounds 1.03-1.69 against a 1.10x goal is unresolved,
     not MISSED; an interval wholly below a goal is met, wholly above is MISSED."""

@@ -21,6 +21,23 @@ def masked_backends() -> list:
     return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
+def preferring_cudnn(fn):
+    """``fn`` with SDPA's cuDNN backend first in line during its calls (its other backends kept, in SDPA's order):
+    the bench's ``SCHEME+cudnn`` rows, an A/B of cuDNN's attention beside the flash kernel SDPA picks by default.
+    Masked calls still leave cuDNN out (:func:`sdpa`); where cuDNN refuses a call, SDPA takes the next backend."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        with sdpa_kernel(order, set_priority=True):
+            return fn(*args, **kwargs)
+    return run
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, **kw) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)`` with a float mask in q's dtype and, on CUDA
     with a mask, without the cuDNN backend (module doc). q [B, H, Lq, D], mask broadcastable to [B, H, Lq, Lk]."""

@@ -11,6 +11,7 @@ from .. import positional
 from ..io import UserError
 from ..model.attention import IMPLS, AttnOptions
 from ..model.gpt import GPT, ModelConfig
+from ..model.sdpa import preferring_cudnn
 from ..positional import turn
 from ..train.step import autocast
 from .timing import provenance
@@ -27,7 +28,10 @@ class Spec:
     attention options (e.g. ``{"sinks": True}``: docs/attention.md, "Model options") or layer types (a sweep
     entry's ``{layout: gemma3}``: positional/layout.py); ``compile``: the model's forward through torch.compile, as
     ``train.compile`` trains it (written ``name+compile``); ``eager``: rotations by the eager formula instead of the
-    fused kernel (written ``name+eager``; positional/turn.py), the A/B of that kernel's cost on a GPU."""
+    fused kernel (written ``name+eager``; positional/turn.py), the A/B of that kernel's cost on a GPU; ``cudnn``: SDPA's
+    cuDNN backend first in line for the row's unmasked calls (written ``name+cudnn``; model/sdpa.py), beside the
+    flash kernel SDPA picks by default. The options wrap the row's model calls (its train step and forwards), not the
+    attention-only column, which calls attention directly."""
     label: str
     name: str
     params: dict = field(default_factory=dict)
@@ -36,15 +40,17 @@ class Spec:
     model: dict = field(default_factory=dict)
     compile: bool = False
     eager: bool = False
+    cudnn: bool = False
 
 
-#: row options written after the scheme (and its @impl): ``+compile``, ``+eager``, or both
-ROW_OPTIONS = ("compile", "eager")
+#: row options written after the scheme (and its @impl): ``+compile``, ``+eager``, ``+cudnn``, any of them together
+ROW_OPTIONS = ("compile", "eager", "cudnn")
 
 
 def _spec(text: str) -> Spec:
     """"t5", "t5@sdpa" (the scheme on that attention implementation), "rotary+compile" (its forward through
-    torch.compile), "rotary+eager" (its rotations without the fused kernel) or "t5@flex+compile" -> Spec."""
+    torch.compile), "rotary+eager" (its rotations without the fused kernel), "alibi+cudnn" (SDPA's cuDNN backend
+    first) or "t5@flex+compile" -> Spec."""
     base, *options = text.split("+")
     bad = [o for o in options if o not in ROW_OPTIONS]
     if bad or len(set(options)) < len(options):
@@ -53,7 +59,8 @@ def _spec(text: str) -> Spec:
     name, _, impl = base.partition("@")
     if impl and impl not in IMPLS:
         raise UserError(f"unknown attention impl {impl!r} in {text!r}; write SCHEME@IMPL with IMPL one of {', '.join(IMPLS)}")
-    return Spec(text, name, impl=impl or "auto", compile="compile" in options, eager="eager" in options)
+    return Spec(text, name, impl=impl or "auto", compile="compile" in options, eager="eager" in options,
+                cudnn="cudnn" in options)
 
 
 def as_specs(schemes) -> list[Spec]:
@@ -109,6 +116,8 @@ def build_model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
     model.attn_opts = AttnOptions(impl=spec.impl)
     if spec.eager:  # the rotations by the eager formula during this model's calls (forward, and so backward)
         model.forward = turn.without_kernel(model.forward)
+    if spec.cudnn:
+        model.forward = preferring_cudnn(model.forward)
     if spec.compile:  # as the trainer does with train.compile (train/loop.py)
         model.forward = torch.compile(model.forward)
     return model
