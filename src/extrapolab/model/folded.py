@@ -108,10 +108,8 @@ def _zeros(shape: tuple, dtype, device) -> torch.Tensor:
 def _ones_columns(bq: int, E: int, pad: int, dtype, device) -> torch.Tensor:
     """[bq, E + pad]: a one-group call's query columns (a column of ones, in 16 bits its hi half twice), then
     ``pad`` zero columns; cached, so a training step builds none."""
-    def build():
-        t = torch.zeros(bq, E + pad, dtype=dtype, device=device)  # [bq, E + pad]
-        t[:, :E] = 1
-        return t
+    def build():  # built on the device (no host data copied in)
+        return F.pad(torch.ones(bq, E, dtype=dtype, device=device), (0, pad))  # [bq, E + pad]
     return _const(("ones", bq, E, pad, dtype, torch.device(device)), build)
 
 
