@@ -74,6 +74,10 @@ OPTIONAL = ("bench-compile", "bench-train-c")
 #: out-of-memory errors; the 7 others fp32 gradients from TF32 products in our kernels). With 8 workers the fourth
 #: run's pytest (an H200, 75 tests, single tests compiling up to 121 s) took 273 s of its 280: now 360
 PYTEST_WORKERS = 8
+#: paired rounds of the train rows (each ~1 s for a chunk's rows): with 3, a goal's interval was the rounds' min-max
+#: and the H200's NoPE steps ranged 24.7-51.7 ms beside the schemes (2026-11-27), leaving 7 of 12 train goals
+#: "unresolved"; with 9 the interval is the 2nd-smallest to 2nd-largest ratio (perf.timing.median_ci)
+TRAIN_ROUNDS = 9
 LIMITS = {"pytest": 360, "bench-train-a1": 60, "bench-train-a2": 90, "bench-train-b1": 70, "bench-train-b2": 60,
           "bench-train-c": 95, "bench-long-a": 150, "bench-long-b": 190, "demo": 60, "profile": 90, "torchrun": 30,
           "bench-compile": 240}
@@ -167,16 +171,20 @@ def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
                         "-p", "no:benchmark", "-o", "addopts=", "--junitxml", str(out / "pytest-gpu.xml"), "-rfE",
                         "--tb=line", "tests"], {"TORCHINDUCTOR_COMPILE_THREADS": "1",
                                                 "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})}
-    bench = [py, "-m", "extrapolab", "bench", *dev, "--rounds", "2" if dry else "3"]
-    bench += (["--train-lengths", "64", "--long-lengths", "256"] if dry else
-              ["--preset", "gpu-quick", "--train-lengths", "512", "--long-lengths", "32768"])
+    sizes = (["--train-lengths", "64", "--long-lengths", "256"] if dry else
+             ["--preset", "gpu-quick", "--train-lengths", "512", "--long-lengths", "32768"])
+
+    def bench_with(rounds: int) -> list[str]:
+        return [py, "-m", "extrapolab", "bench", *dev, "--rounds", str(2 if dry else rounds), *sizes]
+    bench = bench_with(3)
     for group, chunks in (("train", TRAIN_CHUNKS), ("long", LONG_CHUNKS)):
         for key, schemes in chunks.items():
             name = f"bench-{group}-{key}"
             if dry:  # toy rows; CPU FlexAttention has no backward, so @flex rows train as themselves
                 schemes = ("rotary", "xpos", "alibi", "fire") if key == "a1" else (schemes[0].split("@")[0],)
-            cmds[name] = (bench + ["--schemes", ",".join(schemes), "--groups", group, "--out",
-                                   str(out / f"{name}.json")], {})
+            rounds = TRAIN_ROUNDS if group == "train" else 3
+            cmds[name] = (bench_with(rounds) + ["--schemes", ",".join(schemes), "--groups", group, "--out",
+                                                str(out / f"{name}.json")], {})
     cmds["demo"] = ([py, "-m", "extrapolab", "demo", "--preset", "smoke" if dry else "gpu-quick", "--out",
                      str(out / "demo"), *dev, "--set", "sweep.schemes=[none,alibi]", "--set", "sweep.reference=alibi",
                      "--set", "sweep.time_budget_s=0", "--set", f"train.steps={20 if dry else 300}",
