@@ -3,12 +3,16 @@
 From the source tree (`PYTHONPATH=src`, no setup step, no network), on a machine with torch >= 2.11 and CUDA, it runs
 in one pass, each stage with a time limit (every kernel compiled cold: about 10.5 minutes on a bare H200 machine
 on 2026-11-27 -- pytest 273 s, train 95 s, long 113 s, profile 66 s, torchrun 15 s, the demo's limit 60 s -- over
-the 8 hoped for; `--stages` splits it into two commands), everything written under OUT:
+the 8 hoped for; since then the pytest stage's fp32 flex tests compile one length instead of two, and the bench
+adds 9-round train rows and the A/B rows rotary+eager and none/alibi/fox+cudnn (an estimated +60 s; not yet run);
+`--stages` splits it into two commands), everything written under OUT:
 
 1. `pytest -m gpu` over tests/ (every GPU test; per-file times from its JUnit XML, each file goal < 3 min);
 2. `extrapolab bench --preset gpu-quick` (GPT-2 small, bf16): train rows at L_tr 512 and long forwards at 32,768 (the
-   goals' length; each further length costs every flex scheme a cold compile) for every scheme with a CUDA goal (docs/attention.md, perf.table.GPU_GOALS) plus NoPE, each row with the
-   attention path it took, FlexAttention's tile options, outcome and compile seconds, any fallback;
+   goals' length; each further length costs every flex scheme a cold compile) for every scheme with a CUDA goal
+   (docs/attention.md, perf.table.GPU_GOALS) plus NoPE, each row with the attention path it took, FlexAttention's
+   tile options, outcome and compile seconds, any fallback; and A/B rows beside them (`rotary+eager`: the eager
+   rotation; `SCHEME+cudnn`: SDPA's cuDNN backend first);
 3. a 300-step `demo --preset gpu-quick` slice on NoPE and ALiBi with its E1 table;
 4. one profiled train step per scheme that misses a goal (`bench --groups profile,layouts`: its CUDA kernels by
    time, the host's side of the step, and SDPA alone in the model's three q/k/v layouts);
