@@ -13,6 +13,7 @@ from extrapolab.regular import table as table_mod
 from extrapolab.regular.pca import level_outputs, nearest_centroid_accuracy, pca_2d, pca_figure
 from extrapolab.regular.tasks import make_task
 from extrapolab.regular.train import RegularRunConfig, evaluate_lengths, fit, load_run, run
+from flexspy import CountSyncs
 
 TINY = dict(steps=4, batch_size=8, eval_every=2, val_samples=8, test_min=41, test_max=45,
             test_samples=8, train_max=8, val_lengths=[12])
@@ -47,6 +48,30 @@ def test_training_is_deterministic_by_seed():
         assert torch.equal(va, vb), k
     c, _, _ = fit(tiny(seed=1).resolved(), progress=False)
     assert not torch.equal(a.head.weight, c.head.weight)
+
+
+@pytest.mark.parametrize("kw", [{}, {"supervision": "prefix"},
+                                {"model": "transformer", "model_options": {"dim": 16, "heads": 2, "layers": 1}}])
+def test_a_train_step_reads_nothing_back(kw):
+    """A training step of the regular study leaves its loss on the device (fit reads the losses once per validation
+    round) and copies nothing from host data into a tensor beyond its batch (a prefix model's level depths are
+    computed on the device; the batch goes through pinned memory on a GPU): on a GPU each read, and each copy from
+    pageable memory, makes the host wait for the queued kernels. (Random positions, positions passed in, are read
+    once per forward, as in the LM.)"""
+    from extrapolab.regular.baselines import build_model
+    from extrapolab.regular.train import _rng, run_placement, train_step
+
+    cfg = tiny(**kw).resolved()
+    task = make_task(cfg.task, **cfg.task_options)
+    place = run_placement(cfg)
+    model = place.put(build_model(cfg.model, task.vocab_size, task.num_classes, **cfg.model_options))
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)  # (Adam reads its step count, a host tensor on a GPU too)
+    rng, lengths = _rng(1, 0), task.lengths(cfg.train_min, cfg.train_max)
+    train_step(model, opt, task, rng, lengths, cfg, place)  # first step: the model's constants built
+    with CountSyncs() as c:
+        loss = train_step(model, opt, task, rng, lengths, cfg, place)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+    assert c.calls == ["lift_fresh"] * 2, c.calls  # the strings and their labels: numpy arrays made tensors
 
 
 @pytest.mark.parametrize("model", ["transformer", "lstm", "rnn"])

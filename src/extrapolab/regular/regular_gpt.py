@@ -204,6 +204,13 @@ class RegularGPT(nn.Module):
             return {"logits": logits, "levels": outs, "spans": spans}
         return logits
 
+    def _depths(self, T: int, device) -> torch.Tensor:
+        """num_levels(t) = max(1, #{l : C^l < t}) of each prefix length t = 1..T, [T], computed on ``device`` (a list
+        made on the host is a blocking copy to a GPU in every forward)."""
+        t = torch.arange(1, T + 1, device=device)  # [T]
+        reach = self.cfg.C ** torch.arange(num_levels(T, self.cfg.C), device=device)  # [L] C^0 .. C^(L-1)
+        return (t[:, None] > reach).sum(-1).clamp(min=1)  # [T]
+
     def forward_prefixes(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits for every prefix at once: [B, T] -> [B, T, classes], where [:, i] equals
         ``forward(idx[:, :i+1])`` (its own depth ceil(log_C (i+1)), pads where the chunk path pads).
@@ -220,7 +227,7 @@ class RegularGPT(nn.Module):
         C = self.cfg.C
         x = self.embed(idx)  # [B, T, D]
         pad = self._pad_vec()  # [D]
-        depth = torch.tensor([num_levels(t, C) for t in range(1, T + 1)], device=idx.device)  # [T]
+        depth = self._depths(T, idx.device)  # [T]
         out = x
         j = torch.arange(C, device=idx.device)
         for level in range(num_levels(T, C)):

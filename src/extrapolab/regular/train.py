@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from ..io import UserError, atomic_write_json, atomic_write_with
 from ..positional import randomized
 from ..positional.base import SchemeError
+from ..positional.positions import to_device
 from .baselines import build_model
 from .tasks import IGNORE, make_task
 
@@ -131,7 +132,7 @@ def _positions(rng: np.random.Generator, max_position: int | None, length: int, 
     strings and positions depend only on its seed stream), or None (0..length-1)."""
     if max_position is None:
         return None
-    return torch.from_numpy(randomized.draw(rng, max_position, length)).to(dev)
+    return to_device(torch.from_numpy(randomized.draw(rng, max_position, length)), dev)
 
 
 def _call(model, x: torch.Tensor, positions: torch.Tensor | None, prefixes: bool = False) -> torch.Tensor:
@@ -177,11 +178,11 @@ def _loss(model, task, x: np.ndarray, y: np.ndarray, supervision: str, place=Non
     The forward runs under ``place``'s autocast; the loss is taken on fp32 logits."""
     dev = _device_of(model)
     with place.autocast() if place is not None else contextlib.nullcontext():
-        logits = _call(model, torch.from_numpy(x).to(dev), positions, supervision == "prefix")  # [B, (T,) classes]
+        logits = _call(model, to_device(torch.from_numpy(x), dev), positions, supervision == "prefix")  # [B, (T,) classes]
     if supervision == "prefix":
-        target = torch.from_numpy(task.prefix_labels(x)).to(dev)  # [B, T], IGNORE where no label
+        target = to_device(torch.from_numpy(task.prefix_labels(x)), dev)  # [B, T], IGNORE where no label
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE)
-    return F.cross_entropy(logits.float(), torch.from_numpy(y).to(dev))
+    return F.cross_entropy(logits.float(), to_device(torch.from_numpy(y), dev))
 
 
 def run_placement(cfg: RegularRunConfig):
@@ -191,8 +192,10 @@ def run_placement(cfg: RegularRunConfig):
     return placement(cfg.device, cfg.precision)
 
 
-def train_step(model, opt, task, rng: np.random.Generator, lengths, cfg: RegularRunConfig, place) -> float:
-    """One optimizer step on a batch of ONE length drawn from ``lengths``; returns its loss."""
+def train_step(model, opt, task, rng: np.random.Generator, lengths, cfg: RegularRunConfig, place) -> torch.Tensor:
+    """One optimizer step on a batch of ONE length drawn from ``lengths``; returns its loss, a 0-d tensor on the
+    model's device: reading it makes the host wait for the step, so :func:`fit` reads the losses at each
+    validation round, not each step (the batch goes to a GPU through pinned memory, without blocking either)."""
     x, y = task.sample(rng, cfg.batch_size, int(rng.choice(lengths)))
     pos = _positions(rng, max_position(cfg), x.shape[1], _device_of(model))  # [T] or None (0..T-1)
     loss = _loss(model, task, x, y, cfg.supervision, place, pos)
@@ -203,7 +206,7 @@ def train_step(model, opt, task, rng: np.random.Generator, lengths, cfg: Regular
     opt.step()
     if hasattr(model, "constrain_"):
         model.constrain_()
-    return loss.item()
+    return loss.detach()
 
 
 def fit(cfg: RegularRunConfig, progress: bool = True):
@@ -231,7 +234,7 @@ def fit(cfg: RegularRunConfig, progress: bool = True):
                                  max_position=max_position(cfg))
             acc_val = float(np.mean([accuracy_at(model, task, int(t), cfg.val_samples, _rng(VAL_STREAM, cfg.seed, t),
                                                  max_position=max_position(cfg)) for t in cfg.val_lengths]))
-        history.append({"step": step, "loss": float(np.mean(losses)), "acc_train_len": acc_in,
+        history.append({"step": step, "loss": float(torch.stack(losses).float().mean()), "acc_train_len": acc_in,
                         "acc_val": acc_val, "seconds": time.perf_counter() - t0})
         losses = []
         bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", acc=f"{acc_in:.3f}", val=f"{acc_val:.3f}")
