@@ -102,7 +102,8 @@ def _const(key: tuple, build) -> torch.Tensor:
 
 def _zeros(shape: tuple, dtype, device) -> torch.Tensor:
     """Zeros of ``shape`` (an expanded cached scalar: nothing to launch)."""
-    return _const(("zero", dtype, torch.device(device)), lambda: torch.zeros((), dtype=dtype, device=device)).expand(shape)
+    zero = _const(("zero", dtype, torch.device(device)), lambda: torch.zeros((), dtype=dtype, device=device))
+    return zero.expand(shape)
 
 
 def _ones_columns(bq: int, E: int, pad: int, dtype, device) -> torch.Tensor:

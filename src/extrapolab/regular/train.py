@@ -178,7 +178,8 @@ def _loss(model, task, x: np.ndarray, y: np.ndarray, supervision: str, place=Non
     The forward runs under ``place``'s autocast; the loss is taken on fp32 logits."""
     dev = _device_of(model)
     with place.autocast() if place is not None else contextlib.nullcontext():
-        logits = _call(model, to_device(torch.from_numpy(x), dev), positions, supervision == "prefix")  # [B, (T,) classes]
+        idx = to_device(torch.from_numpy(x), dev)  # [B, T]
+        logits = _call(model, idx, positions, supervision == "prefix")  # [B, (T,) classes]
     if supervision == "prefix":
         target = to_device(torch.from_numpy(task.prefix_labels(x)), dev)  # [B, T], IGNORE where no label
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE)
