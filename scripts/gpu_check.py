@@ -163,11 +163,23 @@ def _e1_table(demo_out: Path) -> str:
     return tables[0].read_text() if tables else "(no E1 table written)"
 
 
+def _worksteal() -> list[str]:
+    """``--dist worksteal`` where this pytest-xdist has it (3.2 and later), else nothing (its default scheduling)."""
+    try:
+        from importlib.metadata import version
+        major, minor = (int(x) for x in version("pytest-xdist").split(".")[:2])
+    except Exception:  # noqa: BLE001 -- no xdist, or an odd version string: the default
+        return []
+    return ["--dist", "worksteal"] if (major, minor) >= (3, 2) else []
+
+
 def _commands(out: Path, dry: bool) -> dict[str, tuple[list[str], dict]]:
     """Every stage's command and extra environment, in order."""
     py = sys.executable
     dev = ["--device", "cpu", "--dtype", "fp32"] if dry else ["--device", "cuda", "--dtype", "bf16"]
-    workers = ["-n", str(min(PYTEST_WORKERS, os.cpu_count() or 1))] if not dry else []
+    # worksteal (xdist >= 3.2): an idle worker takes queued tests from a busy one, so the few tests that compile for
+    # a minute or two do not leave the stage waiting on one worker's queue
+    workers = ["-n", str(min(PYTEST_WORKERS, os.cpu_count() or 1)), *_worksteal()] if not dry else []
     # one compile worker per test process: 16 pytest workers each starting inductor's pool of 16 compile
     # processes (each importing torch) left no test finished after 127 s on an H100 machine's 16 cores; the
     # caching allocator hands memory back between segments (expandable segments) and after each GPU test (conftest)
