@@ -37,7 +37,8 @@ Launches: a GPU's train step of GPT-2 small at 16 x 512 is host-bound, every eag
 docs/results/gpu-h200-2026-11-27.md). So a training call (one group) takes its query columns and zero padding
 from a cache, the hi/lo split's backward is one kernel (:class:`_HiLo`), the re-centring point r gets no gradient
 (the softmax cancels it: exact), and no tensor is sliced on its whole range: on the CPU, with bf16 autocast, a
-FoX layer's train step dispatches 115 operators where it dispatched 130 (NoPE's: 74).
+one-layer FoX model's train step dispatched 130 operators (NoPE's: 74); these take it to 115 (and FoX's gate
+logit, computed outside autocast, to 107).
 """
 from __future__ import annotations
 
