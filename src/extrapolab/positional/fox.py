@@ -21,9 +21,9 @@ projection nn.Linear(hidden_size, num_heads, bias=True) per layer, weight N(0, i
 0.02), bias 0, so f ≈ σ(0) = 0.5 at the start and the model begins very local. (x-transformers'
 ``DataDependentAlibi`` starts its gate near 0.993 instead; we follow the paper's code.) log f =
 logsigmoid(logit) in fp32, as there; the logit itself is computed in the gate's own dtype (fp32) even under
-autocast, where the official code's projection runs in 16 bits: more exact, and on a GPU six kernel launches
-fewer per layer and train step (autocast's casts of x, w and b, forward and backward; a GPT-2 small step there is
-host-bound, docs/results/gpu-h200-2026-11-27.md).
+autocast, where the official code's projection runs in 16 bits: more exact, and eight kernel launches fewer per
+layer and train step (autocast's casts of x, w and b and the logit's back to fp32, forward and backward; counted on
+the CPU), which a GPU's host-bound GPT-2 small step pays for (docs/results/gpu-h200-2026-11-27.md).
 """
 from __future__ import annotations
 
