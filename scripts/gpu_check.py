@@ -78,6 +78,8 @@ OPTIONAL = ("bench-compile", "bench-train-c")
 #: out-of-memory errors; the 7 others fp32 gradients from TF32 products in our kernels). With 8 workers the fourth
 #: run's pytest (an H200, 75 tests, single tests compiling up to 121 s) took 273 s of its 280: now 360
 PYTEST_WORKERS = 8
+#: seconds a stage past its limit has, after SIGINT, to write what it has before SIGKILL
+GRACE = 15
 #: paired rounds of the train rows (each ~1 s for a chunk's rows): with 3, a goal's interval was the rounds' min-max
 #: and the H200's NoPE steps ranged 24.7-51.7 ms beside the schemes (2026-11-27), leaving 7 of 12 train goals
 #: "unresolved"; with 9 the interval is the 2nd-smallest to 2nd-largest ratio (perf.timing.median_ci)
@@ -120,7 +122,7 @@ def _stage(name: str, cmd: list[str], out: Path, limit: float, stages: dict, ext
             rc = 124
             os.killpg(proc.pid, signal.SIGINT)
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=GRACE)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -227,6 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", default="", help="comma-separated stages to run (default: all); the report "
                     "covers every stage recorded in OUT, so a check can run in two commands: "
                     "--stages pytest,bench-train then --stages bench-long,demo,profile,torchrun")
+    ap.add_argument("--budget", type=float, default=0, help="seconds this command may take (0: no limit): a stage "
+                    "whose time limit would end past it is not started, and the line that says so names the "
+                    "--stages that run what was left (e.g. --budget 560 under a 10-minute command limit)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -251,11 +256,18 @@ def main(argv=None) -> int:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(cmds)} or a prefix such as bench-long")
     record = out / "stages.json"  # every stage run into OUT so far, this command's replacing earlier ones
     stages = json.loads(record.read_text()) if record.is_file() and want else {}
+    left = []  # stages the budget did not start
     for name, (cmd, extra) in cmds.items():
         if name in OPTIONAL and name in want or name not in OPTIONAL and (
                 not want or any(name == w or name.startswith(w + "-") for w in want)):
+            if args.budget and (left or time.time() - t0 + LIMITS[name] * slack + GRACE > args.budget):
+                left.append(name)
+                continue
             _stage(name, cmd, out, LIMITS[name] * slack, stages, extra)
             record.write_text(json.dumps(stages, indent=1))
+    if left:
+        print(f"[gpu-check] not started within --budget {args.budget:g} s: {', '.join(left)}; run them with "
+              f"--stages {','.join(left)} into the same OUT", flush=True)
     stages = {k: stages[k] for k in cmds if k in stages}
     before = float(json.loads(saved.read_text()).get("wall_s", 0)) if saved.is_file() and want else 0.0
     env["wall_s"] = round(time.time() - t0 + before, 1)  # this command's and the earlier ones' into OUT

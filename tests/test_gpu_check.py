@@ -40,6 +40,16 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     assert "| bench-train-c | 0 |" in report2  # an opt-in stage runs when named
 
 
+def test_a_budget_starts_no_stage_that_would_end_past_it(tmp_path):
+    """``--budget``: under a GPU machine's per-command limit the check starts no stage whose time limit would end
+    past the budget, and says which stages to run next (none of them ran, none is recorded as failed)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path / "out"), "--dry-run",
+                           "--budget", "1", "--stages", "demo,torchrun"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "not started within --budget 1 s: demo, torchrun; run them with --stages demo,torchrun" in proc.stdout
+    assert "torchrun: rc" not in proc.stdout and not (tmp_path / "out" / "stages.json").exists()
+
+
 def test_gpu_check_unknown_stage_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path / "out"), "--dry-run",
                            "--stages", "bench-wide"], capture_output=True, text=True, timeout=300)
