@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..io import UserError
+
 
 def masked_backends() -> list:
     """The SDPA backends a masked CUDA call may use: all but cuDNN."""
@@ -24,8 +26,16 @@ def masked_backends() -> list:
 def preferring_cudnn(fn):
     """``fn`` with SDPA's cuDNN backend first in line during its calls (its other backends kept, in SDPA's order):
     the bench's ``SCHEME+cudnn`` rows, an A/B of cuDNN's attention beside the flash kernel SDPA picks by default.
-    Masked calls still leave cuDNN out (:func:`sdpa`); where cuDNN refuses a call, SDPA takes the next backend."""
+    Masked calls still leave cuDNN out (:func:`sdpa`); where cuDNN refuses a call, SDPA takes the next backend.
+    Needs ``sdpa_kernel(..., set_priority=True)`` (torch 2.6 and later; a one-line error before)."""
     import functools
+    import inspect
+
+    from torch.nn.attention import sdpa_kernel
+
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        raise UserError(f"cuDNN-first SDPA needs torch >= 2.6 (sdpa_kernel's set_priority); this is torch "
+                        f"{torch.__version__}: drop the +cudnn rows")
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
