@@ -10,6 +10,9 @@ mask keep every backend.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -28,10 +31,7 @@ def preferring_cudnn(fn):
     the bench's ``SCHEME+cudnn`` rows, an A/B of cuDNN's attention beside the flash kernel SDPA picks by default.
     Masked calls still leave cuDNN out (:func:`sdpa`); where cuDNN refuses a call, SDPA takes the next backend.
     Needs ``sdpa_kernel(..., set_priority=True)`` (torch 2.6 and later; a one-line error before)."""
-    import functools
-    import inspect
-
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
         raise UserError(f"cuDNN-first SDPA needs torch >= 2.6 (sdpa_kernel's set_priority); this is torch "
@@ -39,8 +39,6 @@ def preferring_cudnn(fn):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH]
         with sdpa_kernel(order, set_priority=True):
