@@ -174,7 +174,9 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="NoPE + the schemes of perf.bench.QUICK (the 2023 zoo, the newer ones, the RoPE kinds, randomized positions as rotary+random, alibi+random, the attention options as rotary+sinks, alibi+sinks, rotary+ssmax, rotary+qk-norm, rotary+gate), L_tr 128/512, one long length (4096)"),
     preset: Optional[str] = typer.Option(None, "--preset", help="time at a demo preset's shape and schemes, e.g. "
                                          "gpu-quick: L_tr and 4x L_tr train steps, 16x and 64x L_tr forwards"),
-    schemes_: Optional[str] = typer.Option(None, "--schemes", help="comma-separated scheme names"),
+    schemes_: Optional[str] = typer.Option(None, "--schemes", help="comma-separated rows: SCHEME, SCHEME@IMPL, "
+                                           "SCHEME+OPTION or both; IMPL an attention implementation (e.g. t5@flex), OPTION compile, eager "
+                                           "(rotations without the fused kernel) or cudnn (SDPA's cuDNN first)"),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default); the goals are stated at 2"),
