@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 127 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 128 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -28,10 +28,10 @@ RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN
 an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
 unreadable factor file, an mscale alone, an unknown option, proportional on a partial-rotary model.
-Attention options and their schemes (11): sinks with stick-breaking, with impl=flex, with the temperature
+Attention options and their schemes (12): sinks with stick-breaking, with impl=flex, with the temperature
 alignment; model.sinks not a boolean; RegularGPT with an attention option; PoPE with base <= 1 and with a
 head size it was not built for; selective attention on a scheme with positions from content, with a head
-out of range and under eval.bca; a bench row setting a model field that is not an option.
+out of range and under eval.bca; a bench row setting a model field that is not an option, or an unknown +option.
 RULER's synthetic tasks (6): an unknown task, a task that needs a download, a length the task does not
 fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cannot encode text.
 DCA and StreamingLLM's sink tokens (6): a DCA chunk past L_tr, a local window as wide as the chunks,
@@ -697,6 +697,9 @@ def _sinks_case(what: str):
     ("bench row with a model field that is not an option",
      lambda: __import__("extrapolab.perf.context", fromlist=["as_specs"]).as_specs(
          [("x", "rotary", {}, 0, "auto", {"layers": 2})]), ["not model options a row may set", "sinks, ssmax"]),
+    ("bench row with an unknown +option",
+     lambda: __import__("extrapolab.perf.context", fromlist=["as_specs"]).as_specs(["rotary+fast"]),
+     ["unknown or repeated row option 'fast'", "OPTION one of compile, eager, cudnn"]),
 ])
 def test_attention_options_are_one_line(case, fn, needles):
     raises(case, fn, *needles)
