@@ -13,14 +13,13 @@ where it nears the wall time the call is host-bound). Nothing of extrapolab's mo
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from .context import Context
 from .groups import batch_of
-from .timing import fmt_ratio, paired_ratio, rotated, sync
+from .timing import enqueued, fmt_ratio, paired_ratio, rotated
 
 #: label -> who hands SDPA that layout
 LAYOUTS = {"packed": "q, k, v: views of one fused projection (NoPE, ALiBi, Qin, T5)",
@@ -70,14 +69,9 @@ def bench_layouts(ctx: Context) -> dict:
                        **ctx.prov(L=L, batch=B, group="layouts")} for kind in jobs}
         for r in range(ctx.rounds):
             for kind in rotated(list(jobs), r):
-                sync(dev)
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    jobs[kind]()
-                t1 = time.perf_counter()
-                sync(dev)
-                rows[kind]["host_s"].append((t1 - t0) / n)
-                rows[kind]["wall_s"].append((time.perf_counter() - t0) / n)
+                host, wall = enqueued(lambda fn=jobs[kind]: [fn() for _ in range(n)], dev)  # n calls
+                rows[kind]["host_s"].append(host / n)
+                rows[kind]["wall_s"].append(wall / n)
         for r in rows.values():
             r.update(wall_ms=1e3 * statistics.median(r["wall_s"]), host_ms=1e3 * statistics.median(r["host_s"]),
                      wall_ratio=paired_ratio(r, rows["packed"], "wall_s"))
