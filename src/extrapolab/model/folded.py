@@ -115,26 +115,25 @@ def _ones_columns(bq: int, E: int, pad: int, dtype, device) -> torch.Tensor:
     return _const(("ones", bq, E, pad, dtype, torch.device(device)), build)
 
 
+def _padded(cols: list[torch.Tensor], pad: int) -> torch.Tensor:
+    """The columns side by side, then ``pad`` zero columns: [.., E + pad]."""
+    x = cols[0]
+    return torch.cat(cols + ([_zeros((*x.shape[:-1], pad), x.dtype, x.device)] if pad else []), -1)
+
+
 def _columns(c: torch.Tensor, tq: torch.Tensor | None, exact_q: bool, low, dtype,
              pad: int) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(query columns [.., bq, E + pad], key columns [.., bk, E + pad]) whose row-by-column products sum to
     tq·c over the G groups, then ``pad`` zero columns: exactly in fp32, to ~2^-16 relative in 16 bits (t·c ~
     th·ch + th·cl + tl·ch; th·ch + th·cl when t is exact, a one-hot). ``tq`` None: the query columns are
     :func:`_ones_columns`' (one group, exact), and only the key columns are built (query columns None)."""
-    cs = _split(c, low, dtype)  # each [.., bk, G]
-    zk = [_zeros((*c.shape[:-1], pad), dtype, c.device)] if pad else []  # [.., bk, pad]
-
-    def zq():
-        return [_zeros((*tq.shape[:-1], pad), dtype, tq.device)] if pad else []  # [.., bq, pad]
-    if low is None:
-        return (None if tq is None else torch.cat([tq.to(dtype)] + zq(), -1)), torch.cat(cs + zk, -1)
-    if exact_q:  # a one-hot (or ones) is exact in 16 bits: its hi half only
-        if tq is None:
-            return None, torch.cat(cs + zk, -1)
-        th = tq.to(dtype)  # [.., bq, G]
-        return torch.cat([th, th] + zq(), -1), torch.cat(cs + zk, -1)
-    ts = _split(tq, low, dtype)  # each [.., bq, G]
-    return torch.cat([ts[0], ts[0], ts[1]] + zq(), -1), torch.cat([cs[0], cs[1], cs[0]] + zk, -1)
+    cs = _split(c, low, dtype)  # each [.., bk, G]: c, or its hi and lo halves
+    if low is not None and not exact_q:  # t not exact in 16 bits: its hi and lo halves too
+        ts = _split(tq, low, dtype)  # each [.., bq, G]
+        qcols, kcols = [ts[0], ts[0], ts[1]], [cs[0], cs[1], cs[0]]
+    else:  # t exact (a one-hot, ones; or an fp32 kernel): t against each of c's columns
+        qcols, kcols = (None if tq is None else [tq.to(dtype)] * len(cs)), cs
+    return (None if qcols is None else _padded(qcols, pad)), _padded(kcols, pad)
 
 
 def _rows(x: torch.Tensor, a: int, b: int, dim: int = -1) -> torch.Tensor:
