@@ -68,6 +68,11 @@ def draw(rng: np.random.Generator, max_length: int, length: int) -> np.ndarray:
     return np.sort(rng.choice(int(max_length), size=int(length), replace=False)).astype(np.int64)  # [length]
 
 
+def draw_on(rng: np.random.Generator, max_length: int, length: int, device=None) -> torch.Tensor:
+    """:func:`draw` as a tensor on ``device`` [length], to CUDA without blocking (:func:`.to_device`)."""
+    return to_device(torch.from_numpy(draw(rng, max_length, length)), device)
+
+
 class PositionSampler:
     """Sorted positions drawn without replacement from [0, max_length), from a seeded numpy generator
     whose state a checkpoint saves (``state_dict``), so a resumed run draws what an uninterrupted one
@@ -78,8 +83,8 @@ class PositionSampler:
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(stream)])))
 
     def draw(self, length: int, device=None) -> torch.Tensor:
-        """[length] int64, strictly increasing, in [0, max_length); to CUDA without blocking (:func:`.to_device`)."""
-        return to_device(torch.from_numpy(draw(self.rng, self.max_length, length)), device)
+        """[length] int64, strictly increasing, in [0, max_length), on ``device`` (:func:`draw_on`)."""
+        return draw_on(self.rng, self.max_length, length, device)
 
     def state_dict(self) -> dict:
         return {"bit_generator": self.rng.bit_generator.state}

@@ -132,7 +132,7 @@ def _positions(rng: np.random.Generator, max_position: int | None, length: int, 
     strings and positions depend only on its seed stream), or None (0..length-1)."""
     if max_position is None:
         return None
-    return to_device(torch.from_numpy(randomized.draw(rng, max_position, length)), dev)
+    return randomized.draw_on(rng, max_position, length, dev)
 
 
 def _call(model, x: torch.Tensor, positions: torch.Tensor | None, prefixes: bool = False) -> torch.Tensor:
