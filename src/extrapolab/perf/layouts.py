@@ -3,9 +3,10 @@
 NoPE, ALiBi, Qin and T5 pass q, k and v as three views of one fused qkv projection ([B, L, 3, H, D] read as
 [B, H, L, D]); rotary, xPos and NoPE head scale pass a q and k of their own (the rotation or the per-head scale
 writes new dense tensors, in the projection's [B, L, H, D] order) beside v's view: same order, other strides.
-On an H200 (2026-11-27, docs/results/gpu-h200-2026-11-27.md) rotary and xPos trained 13-17 ms a step slower than
-ALiBi with as many kernel launches, head scale 13 ms, each with kernel time within 1.10x NoPE's: the host's time,
-not the GPU's. This group times ``scaled_dot_product_attention(is_causal=True)``
+On an H200 (2026-11-27, docs/results/gpu-h200-2026-11-27.md) the check's profile stage had rotary and xPos 13-17 ms
+a step slower than ALiBi with as many kernel launches, head scale 13 ms, each with kernel time within 1.10x NoPE's
+(the train rows, noisier, did not show that gap against ALiBi; rotary still ran 13-19 ms over NoPE's step beside
+it in two of three rounds). This group times ``scaled_dot_product_attention(is_causal=True)``
 forward + backward at each train length and batch, per layout: wall time per call (queue drained before and after
 each batch of ``layers`` calls) and host time per call (the same calls' enqueue time, measured before the drain:
 where it nears the wall time the call is host-bound). Nothing of extrapolab's model runs: the layouts alone.
