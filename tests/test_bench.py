@@ -370,6 +370,18 @@ def test_scheme_plus_cudnn_rows_put_cudnn_first_for_their_sdpa_calls(monkeypatch
     assert seen == {before[0], cudnn} and before[0] != cudnn
 
 
+def test_plus_cudnn_on_a_torch_without_sdpa_priority_is_one_line(monkeypatch):
+    """torch < 2.6 has no ``sdpa_kernel(..., set_priority=...)``: a ``+cudnn`` row is then a one-line error that
+    says so, before anything is timed."""
+    import torch.nn.attention as attention
+
+    monkeypatch.setattr(attention, "sdpa_kernel", lambda backends: None)  # the older signature
+    with pytest.raises(UserError, match=r"needs torch >= 2.6 .*drop the \+cudnn rows") as err:
+        run_bench(["alibi+cudnn"], lengths_train=(16,), model_cfg=TINY, repeats=1, warmup=1, groups=["train"],
+                  batch_tokens=32, threads=1, progress=False)
+    assert "\n" not in str(err.value)
+
+
 def test_gpu_goal_verdicts_read_the_interval_not_the_median():
     """The H200 run's rotary train step: median 1.48x over rounds 1.03-1.69 against a 1.10x goal is unresolved,
     not MISSED; an interval wholly below a goal is met, wholly above is MISSED."""
