@@ -42,6 +42,8 @@ def plot_temperature_curves(res: dict, stem: str | Path, title: str = "") -> lis
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from ..report.plots import plain_log_ticks  # here: importing extrapolab.align loads no matplotlib
+
     Ls = res["lengths"]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     xs = np.geomspace(max(res["train_length"] + 1, min(Ls)), max(Ls), 100)
@@ -53,6 +55,7 @@ def plot_temperature_curves(res: dict, stem: str | Path, title: str = "") -> lis
         if rule in res["tau"]:
             ax.plot(Ls, [res["tau"][rule][str(L)] for L in Ls], marker, ls="none", ms=7, label=label)
     ax.set_xscale("log", base=2)
+    plain_log_ticks(ax)
     ax.set_xlabel(r"$L_{ex}$")
     ax.set_ylabel(r"temperature $\tau$")
     ax.set_title(title or f"Temperature alignment (L_tr = {res['train_length']})")

@@ -22,7 +22,7 @@ from ..analysis.erf import plot_erf
 from ..io import atomic_write_text
 from ..positional.rotary_yarn import yarn_attention_factor
 from ..report.html import StudyReport
-from ..report.plots import plot_ppl_vs_length
+from ..report.plots import plain_log_ticks, plot_ppl_vs_length
 
 LABELS = {"rope": "RoPE (plain)", "pi": "PI (Chen et al. 2023)", "ntk": "NTK-aware", "dynamic": "dynamic NTK",
           "yarn": "YaRN", "yarn-ramp": "YaRN ramp, no temperature", "pmax": "τ: Alg. 1 P_max",
@@ -123,6 +123,7 @@ def _plot_passkey(results: dict, stem: Path) -> str:
         ax.plot(Ls, [100 * _acc(byL[str(L)]) for L in Ls], marker="o", ms=3, label=LABELS.get(m, m))
     ax.axvline(results["config"]["model"]["train_length"], color="grey", ls=":", lw=1, label="L_tr")
     ax.set_xscale("log", base=2)
+    plain_log_ticks(ax)
     ax.set_xlabel("evaluation length L_ex")
     ax.set_ylabel("passkey accuracy (%)")
     ax.set_ylim(-3, 103)

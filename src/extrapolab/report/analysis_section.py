@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from .. import positional  # noqa: E402
 from ..eval.stats import format_cell, summary  # noqa: E402
 from .db import ResultsDB  # noqa: E402
-from .plots import save, style  # noqa: E402
+from .plots import plain_log_ticks, save, style  # noqa: E402
 
 
 def erf_table(db: ResultsDB, labels: list[str], train_length: int) -> str:
@@ -86,6 +86,7 @@ def plot_erf_overlay(db: ResultsDB, labels: list[str], train_length: int, stem: 
     ax.axhline(0.99, color="red", ls=":", lw=1, label="c = 0.99")
     ax.set_xscale("log")
     ax.set_xlim(1, Lmax)
+    plain_log_ticks(ax)
     ax.set_xlabel("distance from the predicted token (log)")
     ax.set_ylabel("share of the gradient within this distance (c_m)")
     ax.set_title("A1 cumulative normalized gradient (Sandwich §5.1), mean over seeds")

@@ -9,6 +9,26 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import LogFormatter  # noqa: E402
+
+
+class PlainLogFormatter(LogFormatter):
+    """matplotlib's log-axis labelling (which ticks get a label: decades, then 2-3-6, then all, as the
+    span narrows) with the label a plain number: 140 and 2048, not 1.4 x 10^2 and 2^11."""
+
+    def _num_to_string(self, x, vmin, vmax):
+        return np.format_float_positional(float(f"{x:.4g}"), trim="-")
+
+
+def plain_log_ticks(ax) -> None:
+    """Label the ticks of each log-scaled axis of ``ax`` as plain numbers, major and minor (call after
+    set_xscale / set_yscale, which reset the formatters). A narrow perplexity range (93-145) gets its
+    minor ticks labelled 100, 110, ..., 140 instead of 1.4 x 10^2."""
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() == "log":
+            base = axis.get_transform().base
+            axis.set_major_formatter(PlainLogFormatter(base))
+            axis.set_minor_formatter(PlainLogFormatter(base))  # as matplotlib's default (subs=None)
 
 
 def save(fig, stem: Path) -> Path:
@@ -49,6 +69,7 @@ def plot_ppl_vs_length(means: dict, train_length: int, stem: Path, title: str = 
     ax.set_yscale("log")
     ax.set_xlabel("evaluation length L_ex")
     ax.set_ylabel("perplexity (log scale)")
+    plain_log_ticks(ax)
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
@@ -85,6 +106,7 @@ def plot_positionwise(rows, ref_rows, train_length: int, stem: Path) -> Path:
         if train_length:
             ax.axvline(train_length, color="grey", ls=":", lw=1)
         ax.set_yscale("log")
+        plain_log_ticks(ax)
         ax.set_title(label, fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6)
