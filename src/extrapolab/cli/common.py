@@ -49,7 +49,7 @@ def friendly(fn):
 #: --rope on hf: models (hf/load.py parse_rope)
 ROPE_HELP = ("hf: only: RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S[,key=value], "
              "longrope:S,long=[...], proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], "
-             "streaming[:K[,W]], logn; join with +, e.g. rerope:512+logn (README, 'Bring your own model')")
+             "streaming[:K[,W]], logn; join with +, e.g. rerope:512+logn (docs/hf.md)")
 #: --rope of `eval`: hf: models and runs trained with plain rotary (align/rope_methods.py)
 EVAL_ROPE_HELP = ("RoPE override or extension: linear|dynamic|yarn|ntk|llama3:S[,key=value], longrope:S,long=[...], "
                   "proportional:P, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], streaming[:K[,W]], "
