@@ -89,6 +89,12 @@ LIMITS = {"pytest": 360, "bench-train-a1": 60, "bench-train-a2": 90, "bench-trai
           "bench-compile": 240}
 
 
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _env() -> dict:
     import torch
 
@@ -233,6 +239,11 @@ def main(argv=None) -> int:
                     "whose time limit would end past it is not started, and the line that says so names the "
                     "--stages that run what was left (e.g. --budget 560 under a 10-minute command limit)")
     args = ap.parse_args(argv)
+    if not (args.dry_run or args.report_only) and not _cuda_visible():
+        # before anything is written: without a GPU every stage would skip or fail in turn (about ten minutes)
+        print("gpu_check.py: error: this check needs a CUDA GPU and none is visible to torch here; run it on a GPU "
+              "machine, or pass --dry-run to check its plumbing on the CPU", file=sys.stderr)
+        return 2
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 128 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 129 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -19,11 +19,12 @@ holds; a sweep reaching such a run (skipped, its row left alone). Other (6): bad
 --temperature, --rope on a run that is not plain rotary, --rope on `align RUN`, disk full while logging
 (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT. GGUF models (4): not a
 GGUF file, a truncated one, an architecture transformers cannot read (each also through the CLI,
-nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (15):
+nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (16):
 xPos past its float range; Self-Extend window past L_tr and group 0; leaky ReRoPE slope < 1; a hybrid
 with an absolute scheme or a NoPE layer out of range; randomized positions below L_tr, without L_MAX,
 past a learned table; TensorBoard logging without the package (nothing written); three bad --rope
-extension specs; a sweep time budget with parallel workers; the head scale of a run that is not NoPE.
+extension specs; a sweep time budget with parallel workers; the head scale of a run that is not NoPE; the GPU
+demo preset on a machine without a GPU.
 RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN mscale alone or
 an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
@@ -957,3 +958,16 @@ def test_cli_subprocess_one_line(tiny, tmp_path):
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), (args, err)
         check(f"cli {args[0]} (subprocess)", lines[0], needle, how="process: exit 2")
     assert not (locked / "runs").exists() and not (trunc / "eval.json").exists() and not busy.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_gpu_demo_without_a_gpu(tmp_path):
+    """`demo --preset gpu-quick` asks for CUDA: without a GPU it stops before tokenizing or writing anything,
+    unless --device cpu is asked for explicitly (then the preset's own check passes)."""
+    out = tmp_path / "demo"
+    check("demo --preset gpu-quick without a GPU", _cli("demo", "--preset", "gpu-quick", "--out", str(out)),
+          "asks for a CUDA GPU", "--device cpu", how=CLI_HOW)
+    assert not out.exists()
+    from extrapolab.sweep.sweep import check_device, load_sweep
+
+    check_device(load_sweep("demo-gpu-quick", ["train.device=cpu"])[0])  # what --device cpu sets: no error

@@ -204,7 +204,8 @@ def test_bench_at_the_gpu_quick_preset_shape():
     m = kw["model_cfg"]
     assert (m.layers, m.dim, m.heads, m.vocab_size, m.dropout) == (12, 768, 12, 8192, 0.0)
     assert kw["lengths_train"] == (512, 2048) and kw["long_lengths"] == (8192, 32768) and kw["batch"] == 16
-    assert [s.label for s in as_specs(kw["schemes"])] == ["none", "rotary", "alibi", "t5", "kerple-log", "sandwich"]
+    assert [s.label for s in as_specs(kw["schemes"])] == ["none", "sinusoidal", "rotary", "alibi", "t5", "kerple-log",
+                                                          "sandwich"]
 
 
 def test_bench_preset_and_quick_are_exclusive_and_unknown_preset_is_one_line():

@@ -1,5 +1,5 @@
 """`extrapolab demo --preset gpu-quick`: the preset states a short-GPU-slot setting (GPT-2-small shape at
-L_tr = 512 on the node's own stdlib, six schemes, E1/E3 to 16x L_tr), and sweep.time_budget_s makes
+L_tr = 512 on the node's own stdlib, seven schemes, E1/E3 to 16x L_tr), and sweep.time_budget_s makes
 a sweep stop between runs and resume across separate commands (checked on the CPU, shrunk)."""
 import sqlite3
 
@@ -10,7 +10,7 @@ from extrapolab.io import UserError
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.sweep.sweep import load_sweep, run_sweep
 
-SCHEMES = ["none", "rotary", "alibi", "t5", "kerple-log", "sandwich"]
+SCHEMES = ["none", "sinusoidal", "rotary", "alibi", "t5", "kerple-log", "sandwich"]
 
 
 def test_gpu_quick_preset_is_gpt2_small_at_512_on_the_stdlib():

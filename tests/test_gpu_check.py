@@ -2,11 +2,14 @@
 same stages at toy sizes on the CPU (pytest -m gpu skips, bench rows with their paths, a demo slice with its
 E1 table, a one-process torchrun on gloo), and the report it writes."""
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,3 +80,16 @@ def test_report_only_rewrites_the_report_from_a_folder_copied_off_the_gpu_machin
                             "--report-only"], capture_output=True, text=True, timeout=300)
     err = [line for line in empty.stderr.splitlines() if line.startswith("gpu_check.py: error")]
     assert empty.returncode == 2 and len(err) == 1 and "no stages.json" in err[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_check_without_cuda_stops_at_once_and_writes_nothing(tmp_path):
+    """Without a CUDA device the check says so in one line before any stage (it used to run every stage for about
+    ten minutes, pytest skipping and each bench stage exiting 2 in turn), through the shell script users run."""
+    out = tmp_path / "out"
+    t = time.time()
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), str(out)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(err) == 1 and "needs a CUDA GPU and none is visible" in err[0], proc.stderr
+    assert "--dry-run" in err[0] and not out.exists() and time.time() - t < 60

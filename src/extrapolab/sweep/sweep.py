@@ -31,6 +31,7 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
 
     t0 = time.time()
     base, spec = load_sweep(name_or_path, overrides)
+    check_device(base)  # before anything is written: a GPU preset on a machine without one stops here
     out = Path(out) if out else Path(base.out_dir) / base.name
     out.mkdir(parents=True, exist_ok=True)
     C.save(base, out / "sweep-config.yaml")
@@ -110,6 +111,18 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
     report = rebuild_report(out, wall_s=wall)
     db.close()
     return {"report": report, "wall_s": wall, "out": out, "runs_left": left}
+
+
+def check_device(base: C.RunConfig) -> None:
+    """A sweep whose preset asks for CUDA (``train.device: cuda``, e.g. demo-gpu-quick) on a machine without a
+    visible GPU: one line naming the way to run it anyway, rather than hours on the CPU or a late failure."""
+    from ..train import run_placement
+
+    dev = str(base.train.device or "auto")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"{base.name} asks for a CUDA GPU (train.device={dev}) and none is visible here; run it on a "
+                        "GPU machine, or pass --device cpu to run it on the CPU anyway (many times slower)")
+    run_placement(base.train)  # any other bad train.device / train.precision, in its own one line
 
 
 def run_seconds(db: ResultsDB) -> list[float]:
