@@ -18,6 +18,9 @@ MAXPOS = 48  # learned positions / pre-training length of every tiny model
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2", "bloom", "mpt")
 ROPE_FAMILIES = ("gpt_neox", "llama", "mistral", "qwen2")
 CHUNK_FAMILIES = FAMILIES + ("gemma3_text",)  # scored from hidden states in blocks of positions
+#: RoPE families with layer types, NoPE layers, chunked or soft-capped attention, or shipped RoPE scaling (issue 45)
+HYBRID_FAMILIES = ("cohere2", "llama4_text", "smollm3", "gpt_oss", "gemma2")
+CHUNK = 16  # Llama 4's attention_chunk_size in the tiny model: shorter than MAXPOS
 
 
 def tokenizer():
@@ -57,6 +60,27 @@ def config(family: str, vocab: int):
                                    num_key_value_heads=2, head_dim=8, max_position_embeddings=MAXPOS,
                                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                    final_logit_softcapping=0.2, query_pre_attn_scalar=8, pad_token_id=0, **common)
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                 max_position_embeddings=MAXPOS, initializer_range=0.1, **common)  # 0.1: far from uniform outputs
+    if family == "cohere2":  # RoPE (interleaved pairs) on its sliding layers only; the full layer is NoPE
+        return tr.Cohere2Config(num_hidden_layers=4, sliding_window=8, pad_token_id=0,
+                                layer_types=["sliding_attention"] * 3 + ["full_attention"], **small)
+    if family == "llama4_text":  # chunked RoPE layers (complex form, pairs 2i, 2i+1) + a full NoPE layer (no_rope_layers)
+        return tr.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=CHUNK, no_rope_layer_interval=4,
+                                   intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
+                                   floor_scale=8, attn_scale=0.5, use_qk_norm=False, pad_token_id=0, **small)
+    if family == "smollm3":  # every 2nd layer NoPE (no_rope_layer_interval)
+        return tr.SmolLM3Config(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=0, **small)
+    if family == "gpt_oss":  # ships with YaRN; sliding + full layers; a learned sink logit per head
+        return tr.GptOssConfig(num_hidden_layers=2, sliding_window=8, num_local_experts=2, num_experts_per_tok=1,
+                               layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+                               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                "truncate": False, "original_max_position_embeddings": MAXPOS // 4,
+                                                "rope_theta": 150000.0}, **small)
+    if family == "gemma2":  # attention logits soft-capped at 2 (attn_logit_softcapping): small enough to bite
+        return tr.Gemma2Config(num_hidden_layers=2, sliding_window=8, attn_logit_softcapping=2.0,
+                               final_logit_softcapping=None, query_pre_attn_scalar=8, pad_token_id=0,
+                               layer_types=["sliding_attention", "full_attention"], **small)
     raise KeyError(family)
 
 

@@ -12,7 +12,12 @@ newest ``window`` of a transformers ``DynamicCache``, and each call runs the mod
 * with the registered attention function (hf/extend.py, ``attn_implementation="extrapolab"``,
   switched on with ``set_attn_implementation``: no model class is patched) and its
   ``extrapolab_in_cache`` keyword: every cached key is rotated at its position in the cache,
-  0..n-1, and the queries at theirs, the last ones, in the model's layout and frequencies.
+  0..n-1, and the queries at theirs, the last ones, in each layer's layout and frequencies as
+  measured on the model (hf/geometry.py; a NoPE layer's are left as they are).
+
+Every layer of the ``DynamicCache`` is a full one (not the sliding or chunked layers transformers
+builds from the config, which would drop keys themselves): a sliding layer's window and a chunked
+layer's chunks (Llama 4, hf/masks.py) then apply at the cache positions, as in the re-encoded tokens.
 
 So attention sees exactly what re-encoding the kept tokens from position 0 would give it (for
 one layer, tests/test_streaming_hf.py), never keys left at the positions they were written at (the
@@ -26,29 +31,31 @@ from __future__ import annotations
 import torch
 
 from ..io import UserError
-from . import extend
+from . import extend, geometry
 
 
 def prepare(model) -> None:
-    """Switch an ``HFCausalLM`` to the registered attention with the model's rotary frequencies
-    (idempotent), or a one-line UserError for a model this cannot serve."""
+    """Switch an ``HFCausalLM`` to the registered attention, with each layer's rotation measured
+    (hf/geometry.py; idempotent), or a one-line UserError for a model this cannot serve."""
     loaded = model.loaded
     if loaded.positions != "rope":
         raise UserError(f"protocol 'cached' (E5) is not available for HF models without RoPE ({loaded.family} "
                         f"encodes positions as {loaded.positions}): its cache places keys by rotating them; use "
                         "recomputed or nonoverlapping")
     rp = getattr(model.hf.config, "rope_parameters", None) or {}
-    if rp.get("rope_type") == "dynamic":
+    kinds = [rp.get("rope_type")] + [v.get("rope_type") for v in rp.values() if isinstance(v, dict)]
+    if "dynamic" in kinds:
         raise UserError("cached-window E5 needs fixed rotary frequencies; --rope dynamic changes them with the "
                         "length: drop it")
-    spec = dict(getattr(model.hf.config, "extrapolab_rope", None) or {})
-    if "inv_freq" not in spec:
-        spec["inv_freq"] = extend.rotary_inv_freq(model.hf).tolist()
-        model.hf.config.extrapolab_rope = spec
     if getattr(model.hf.config, "_attn_implementation", None) != extend.ATTN:
         extend.register()
         model.hf.set_attn_implementation(extend.ATTN)
         loaded.attn_implementation = extend.ATTN
+    spec = dict(getattr(model.hf.config, "extrapolab_rope", None) or {})
+    if "rotations" not in spec:
+        spec["rotations"] = geometry.measure(model.hf, geometry.far_position(model.hf.config, loaded.train_length))
+        model.hf.config.extrapolab_rope = spec
+        loaded.info["rotary_layers"] = geometry.summary(spec["rotations"])
 
 
 class HFWindowCache:
@@ -60,7 +67,7 @@ class HFWindowCache:
         prepare(model)
         self.window = int(window)
         self.keep = len(model.prefix) + int(sinks or 0)  # the prefix, then the sinks
-        self.cache = DynamicCache(config=model.hf.config)
+        self.cache = DynamicCache()  # full layers: the window and sinks are ours, sliding / chunked by slot
         self.started = False
 
     def step(self, model, idx: torch.Tensor) -> torch.Tensor:

@@ -4,20 +4,27 @@ attention-function registry (``AttentionInterface.register``), never a copied or
 ``--rope selfextend:G,w | rerope:w | rerope-leaky:w,k | dca:C,w | streaming:K,W | logn`` (hf/load.py) loads the
 model with
 ``attn_implementation="extrapolab"``: every attention layer then calls :func:`extend_attention`
-with the q, k Hugging Face has already rotated (pairs (i, i + d/2), its ``rotate_half`` layout,
-with the rope type's attention factor inside cos/sin), v, the module's ``scaling`` and its
-``position_ids``. The function repeats the key/value heads (GQA), puts ``scaling`` into q (so
-attention's 1/sqrt(d) gives the model's own scale, including a temperature ``hf_temperature`` set)
-and runs our :func:`extrapolab.model.attention.attend` with :class:`HFRope`, whose hooks are:
+with the q, k Hugging Face has already rotated (with the rope type's attention factor inside cos/sin),
+v, the module's ``scaling``, ``sliding_window`` and ``softcap``, its ``position_ids`` and the mask the
+registered mask function returned (hf/masks.py: None, or Llama 4's chunks). The function repeats the
+key/value heads (GQA), puts ``scaling`` into q (so attention's 1/sqrt(d) gives the model's own scale,
+including a temperature ``hf_temperature`` set) and runs our :func:`extrapolab.model.attention.attend`
+with the layer's :class:`HFRope` -- chunk by chunk on a chunked layer (hf/masks.py) -- whose hooks are:
 
 * ``rotate``: nothing to rotate (Hugging Face did), only the log-n factor on q
-  (``positional.rotary.logn_scale``: max(1, log(m + 1)/log L_tr), the ReRoPE and Self-Extend patches);
+  (``positional.rotary.logn_scale``: max(1, log(m + 1)/log L_tr), the ReRoPE and Self-Extend patches;
+  every layer, NoPE ones included);
 * ``second_pass``: Self-Extend (Jin et al. 2024, arXiv 2401.01325, Algorithm 1), ReRoPE / leaky
   ReRoPE (Su 2023, github.com/bojone/rerope), dual chunk attention (An et al. 2024, arXiv
   2402.17463, eqs. 2-8; positional/rotary_dca.py) or StreamingLLM's sinks + window (Xiao et al.
   2024, arXiv 2309.17453; positional/rotary_streaming.py): re-rotating the rotated q, k by the angle
   (p' - m)·theta_i puts them at each pass's positions p' exactly (positional/rope_twopass.py), with
-  the model's own inverse frequencies read from its rotary embedding at load time.
+  the layer's own frequencies and pair layout, measured on the model at load time (hf/geometry.py:
+  Gemma 3's two bases, Cohere2's and Llama 4's pairs (2i, 2i + 1)). A NoPE layer (Llama 4's, SmolLM3's,
+  Cohere2's full layers) is not re-rotated: the passes only move positions, so it attends plainly, except
+  that StreamingLLM's pattern still leaves its other keys unseen;
+* ``scores``: transformers' ``softcap`` (Gemma 2's ``attn_logit_softcapping``), tanh(l/c)·c on the scaled
+  logits before the mask, as its eager attention does; such layers take the reference path.
 
 So the passes run in the same fused multi-pass kernel as our GPT (model/twopass.py, merged
 by log-sum-exp, no L x L tensor), and with an ``AttnOptions`` passed as the forward keyword
@@ -40,9 +47,9 @@ the queries at theirs.
 A module with learned attention sinks (gpt-oss's ``sinks``, one logit per query head) passes them to
 ``attend`` (``sinks=``), which carries them exactly on its paths (docs/attention.md, "Model options").
 
-Causal language models only: the function is causal by position; a padding mask (a 2-D
-``attention_mask`` with zeros) is refused by the registered mask function, since the keys are
-taken to be the positions that end at the last query (a full or sliding cache).
+Causal language models only: the function is causal by position, and the registered mask function
+(hf/masks.py) refuses a padding mask and any mask but causal, sliding-window and chunked, since the keys
+are taken to be the positions that end at the last query (a full cache).
 """
 from __future__ import annotations
 
@@ -60,6 +67,7 @@ from ..positional.rope_twopass import FarRule, Passes, check_rule, selfextend_ma
 from ..positional.rotary_dca import ChunkRule, check_chunk_rule
 from ..positional.rotary_streaming import SinkRule, check_sink_rule
 from ..positional.rotary import logn_scale
+from . import geometry, masks
 
 ATTN = "extrapolab"  #: the attn_implementation name registered with transformers
 OPTS_KWARG = "extrapolab_opts"  #: forward keyword carrying an AttnOptions (temperature, logits sink)
@@ -69,7 +77,8 @@ TWOPASS = ("selfextend", "rerope", "rerope-leaky", "dca", "streaming")  #: metho
 
 
 class HFRope(PositionalScheme):
-    """Positional hooks for a Hugging Face RoPE model whose q, k arrive rotated (module doc)."""
+    """Positional hooks for a Hugging Face RoPE model whose q, k arrive rotated (module doc); one per layer
+    geometry (hf/geometry.py: ``inv_freq`` empty for a NoPE layer, ``halves`` the pair layout) and soft-cap."""
 
     name = "hf-rope"
     kind = "rotary"
@@ -77,17 +86,26 @@ class HFRope(PositionalScheme):
     summary = "q, k rotated by the model; log-n factor on q; each pass's positions by re-rotation"
 
     def __init__(self, num_heads: int, rule: FarRule | ChunkRule | SinkRule | None = None,
-                 inv_freq: torch.Tensor | None = None,
-                 logn_length: int | None = None) -> None:
+                 inv_freq: torch.Tensor | None = None, logn_length: int | None = None, halves: bool = True,
+                 softcap: float | None = None) -> None:
         super().__init__(num_heads)
-        self.rule, self.inv_freq, self.logn_length = rule, inv_freq, logn_length
+        self.rule, self.inv_freq, self.logn_length, self.halves = rule, inv_freq, logn_length, halves
+        self.softcap = float(softcap) if softcap else None
         if logn_length:
             self.relative = False
+        if self.softcap:  # a score-level hook: the reference path, in blocks of query rows
+            self.reference_only = f"logits soft-capped at {self.softcap:g} (transformers' softcap, Gemma 2)"
 
     def rotate(self, q, k, q_pos, k_pos):
         if self.logn_length:
             q = q * logn_scale(q_pos, self.logn_length).to(q.dtype)[:, None]  # [Lq, 1] per-query factor
         return q, k
+
+    def scores(self, logits, block):
+        """Gemma 2's soft-cap (transformers' eager ``softcap``): l -> tanh(l / c)·c on the scaled logits, before
+        the mask (masked entries stay -inf)."""
+        c = self.softcap
+        return torch.where(torch.isfinite(logits), torch.tanh(logits / c) * c, logits)  # [B, H, bq, bk]
 
     def second_pass(self):
         if self.rule is None:
@@ -95,10 +113,10 @@ class HFRope(PositionalScheme):
         return Passes(self.rule.passes(), self._shift, getattr(self.rule, "complete", True))
 
     def _shift(self, x, delta):
-        return shift_by(x, delta, self.inv_freq, halves=True)
+        return shift_by(x, delta, self.inv_freq, halves=self.halves)
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=256)
 def _scheme(key: str, heads: int) -> HFRope:
     spec = json.loads(key)
     rule = None
@@ -108,13 +126,22 @@ def _scheme(key: str, heads: int) -> HFRope:
         rule = SinkRule(int(spec["sinks"]), int(spec["w"]))
     elif spec.get("method"):
         rule = FarRule(spec["method"], int(spec["w"]), int(spec.get("G", 1)), float(spec.get("k", 1.0)))
-    inv = torch.tensor(spec["inv_freq"], dtype=torch.float64) if spec.get("inv_freq") else None
-    return HFRope(heads, rule, inv, spec.get("logn"))
+    rot = spec.get("rotation")  # hf/geometry.py: {"inv_freq", "halves"}, None for a NoPE layer
+    inv = torch.tensor(rot["inv_freq"] if rot else [], dtype=torch.float64) if "rotation" in spec else None
+    if rule is not None and not rot and getattr(rule, "complete", True):
+        rule = None  # a NoPE layer: passes that only move positions change nothing (StreamingLLM's keys still do)
+    return HFRope(heads, rule, inv, spec.get("logn"), bool(rot["halves"]) if rot else True, spec.get("softcap"))
 
 
-def scheme_for(config, heads: int) -> HFRope:
-    """The :class:`HFRope` of ``config.extrapolab_rope`` (plain attention when it has none)."""
-    spec = getattr(config, "extrapolab_rope", None) or {}
+def scheme_for(config, heads: int, layer: int = 0, softcap: float | None = None) -> HFRope:
+    """The :class:`HFRope` of layer ``layer`` under ``config.extrapolab_rope`` (plain attention when it has
+    none), its rotation from the measured ``rotations`` (hf/geometry.py) and transformers' ``softcap``."""
+    spec = dict(getattr(config, "extrapolab_rope", None) or {})
+    rotations = spec.pop("rotations", None)
+    if rotations is not None:
+        spec["rotation"] = rotations.get(str(layer), rotations.get("0") if len(rotations) == 1 else None)
+    if softcap:
+        spec["softcap"] = float(softcap)
     return _scheme(json.dumps(spec, sort_keys=True), int(heads))
 
 
@@ -139,15 +166,35 @@ def _in_cache(scheme: HFRope, query, key):
     Lq, Lk = query.shape[2], key.shape[2]
     k_pos = torch.arange(Lk, device=query.device)  # [Lk]
     q_pos = k_pos[Lk - Lq:]
-    return (shift_by(query, q_pos.to(torch.float64), scheme.inv_freq, halves=True),
-            shift_by(key, k_pos.to(torch.float64), scheme.inv_freq, halves=True), q_pos, k_pos)
+    return (shift_by(query, q_pos.to(torch.float64), scheme.inv_freq, halves=scheme.halves),
+            shift_by(key, k_pos.to(torch.float64), scheme.inv_freq, halves=scheme.halves), q_pos, k_pos)
+
+
+def _one(query, key, value, q_pos, k_pos, scheme, layer, opts, extra, choose):
+    """Attention of q [B,H,Lq,D] over k, v [B,H,Lk,D] at these positions -> [B, H, Lq, D]."""
+    if choose is not None:  # rotate (log-n) once, let the chooser read these q, k, attend at its tau
+        query, key = scheme.rotate(query, key, q_pos, k_pos)
+        tau = float(choose(layer, query, key, q_pos, k_pos, scheme, opts.window))
+        return attend(query, key, value, q_pos, k_pos, scheme, layer, replace(opts, temperature=tau), rotate=False,
+                      **extra)[0]
+    return attend(query, key, value, q_pos, k_pos, scheme, layer, opts, **extra)[0]
 
 
 def extend_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers attention function: q [B,H,Lq,D], k/v [B,Hkv,Lk,D] -> ([B,Lq,H,D], None)."""
     B, H, Lq, D = query.shape
-    scheme = scheme_for(getattr(module, "config", None), H)
+    probe = kwargs.get(geometry.PROBE_KWARG)
+    if probe is not None:  # hf/geometry.py: the q, k the model rotated, before anything of ours
+        probe.append((getattr(module, "layer_idx", None), query.detach().clone(), key.detach().clone()))
+    layer = int(getattr(module, "layer_idx", 0) or 0)
+    scheme = scheme_for(getattr(module, "config", None), H, layer, kwargs.get("softcap"))
     opts = kwargs.get(OPTS_KWARG) or AttnOptions()
+    chunk = masks.layer_chunks(attention_mask)  # Llama 4's chunked layers (hf/masks.py), else None
+    choose = kwargs.get(CHOOSE_KWARG)
+    if chunk is not None and (choose is not None or opts.logits_sink is not None):
+        raise UserError(f"temperature alignment reads each layer's logits over every key up to the query, but layer "
+                        f"{layer} attends within chunks of {chunk.size} tokens (attention_chunk_size); align a "
+                        "model without chunked attention")
     if kwargs.get(STREAM_KWARG):
         query, key, q_pos, k_pos = _in_cache(scheme, query, key)
     else:
@@ -162,27 +209,15 @@ def extend_attention(module, query, key, value, attention_mask, dropout: float =
     window = kwargs.get("sliding_window")
     if window:  # Hugging Face's sliding window: keys at distance < window, as AttnOptions.window
         opts = replace(opts, window=int(window))
-    layer = int(getattr(module, "layer_idx", 0) or 0)
     sinks = getattr(module, "sinks", None)  # gpt-oss: a learned sink logit per query head (docs/attention.md)
     extra = {} if sinks is None else {"sinks": sinks}
-    choose = kwargs.get(CHOOSE_KWARG)
-    if choose is not None:  # rotate (log-n) once, let the chooser read these q, k, attend at its tau
-        query, key = scheme.rotate(query, key, q_pos, k_pos)
-        tau = float(choose(layer, query, key, q_pos, k_pos, scheme, opts.window))
-        out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, replace(opts, temperature=tau), rotate=False,
-                        **extra)
-        return out.transpose(1, 2).contiguous(), None  # [B, Lq, H, D]
-    out, _ = attend(query, key, value, q_pos, k_pos, scheme, layer, opts, **extra)
+    if chunk is None:
+        out = _one(query, key, value, q_pos, k_pos, scheme, layer, opts, extra, choose)
+    else:  # each chunk's queries over that chunk's keys: exactly the chunked mask (hf/masks.py)
+        out = torch.cat([_one(query[:, :, a:b], key[:, :, c0:c1], value[:, :, c0:c1], q_pos[a:b], k_pos[c0:c1],
+                              scheme, layer, opts, extra, None)
+                         for a, b, c0, c1 in masks.chunk_spans(Lq, key.shape[2], chunk)], dim=2)  # [B, H, Lq, D]
     return out.transpose(1, 2).contiguous(), None  # [B, Lq, H, D]
-
-
-def causal_only_mask(*args, attention_mask=None, **kwargs):
-    """Mask function registered with ``ATTN``: no mask (attention is causal by position); a padding
-    mask is refused with one line (the keys are taken to be consecutive positions)."""
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise UserError("padded batches are not supported by the extrapolab attention (--rope selfextend / "
-                        "rerope / dca / streaming / logn); score sequences of equal length without an attention_mask")
-    return None
 
 
 def register() -> str:
@@ -191,23 +226,8 @@ def register() -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN, extend_attention)
-    AttentionMaskInterface.register(ATTN, causal_only_mask)
+    AttentionMaskInterface.register(ATTN, masks.model_mask)
     return ATTN
-
-
-def rotary_inv_freq(model) -> torch.Tensor:
-    """The inverse frequencies [rot_dim/2] of the model's one rotary embedding (a one-line error when
-    it has none or several, e.g. Gemma 3's local and global ones)."""
-    found = {}
-    for name, mod in model.named_modules():
-        inv = getattr(mod, "inv_freq", None)
-        if isinstance(inv, torch.Tensor):
-            found[name] = inv.detach().to(torch.float64).cpu()
-    distinct = {tuple(v.tolist()) for v in found.values()}
-    if len(distinct) != 1:
-        raise UserError(f"multi-pass --rope needs exactly one rotary embedding, found {len(distinct)} "
-                        f"({', '.join(found) or 'none'}); use --rope logn or a rope_parameters rewrite")
-    return next(iter(found.values()))
 
 
 def install(model, method: str | None, params: dict, logn: int | None, train_length: int) -> dict:
@@ -226,7 +246,8 @@ def install(model, method: str | None, params: dict, logn: int | None, train_len
                                   float(params.get("k", 1.0)), label=f"--rope {method}")
         except SchemeError as e:
             raise UserError(str(e)) from None
-        spec.update(rule.describe(), inv_freq=rotary_inv_freq(model).tolist())
+        rotations = geometry.measure(model, geometry.far_position(model.config, train_length))
+        spec.update(rule.describe(), rotations=rotations)
         record.update(rule.describe())
         if method == "selfextend":
             record["max_length"] = selfextend_max_length(train_length, rule.window, rule.group)

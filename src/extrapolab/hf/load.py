@@ -41,8 +41,8 @@ loaded with ``attn_implementation="extrapolab"``.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
-import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,18 +52,14 @@ import torch
 
 from ..io import UserError
 from ..positional.rotary_dca import default_chunk
-from . import extend, layer_types, rope_kinds
+from . import extend, geometry, layer_types
+from .rope_spec import (ROPE_KINDS, ROPE_SYNTAX, RopeSpec, apply_rope, check_rope_parameters,  # noqa: F401
+                        config_train_length, parse_rope, uses_rope)
 
 PREFIX = "hf:"
-#: model_type -> how it encodes positions (families the tests build; see module doc for others)
-POSITIONS = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt": "learned",
-             "gpt_neox": "rope", "llama": "rope", "mistral": "rope", "qwen2": "rope", "qwen3": "rope",
-             "gptj": "rope", "phi3": "rope", "gemma": "rope", "gemma2": "rope", "gemma3_text": "rope",
-             "bloom": "alibi", "mpt": "alibi"}
-ROPE_KINDS = rope_kinds.KINDS
-ROPE_SYNTAX = (f"{rope_kinds.SYNTAX}, selfextend:G[,w], rerope[:w], rerope-leaky[:w[,k]], dca[:C[,w]], "
-               "streaming[:K[,W]], logn[:L_tr], joined by +; KIND:ARGS@TYPE rewrites one layer type's")
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length")
+#: model_type -> positions for families without RoPE whose config does not say how they encode them
+NOT_ROPE = {"gpt2": "learned", "opt": "learned", "gpt_neo": "learned", "biogpt": "learned", "bloom": "alibi",
+            "mpt": "alibi"}
 
 
 @dataclass
@@ -133,135 +129,32 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     return table[spec]
 
 
-def config_train_length(config) -> int | None:
-    for key in _LENGTH_KEYS:
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+def rotary_buffers(model) -> dict:
+    """{name: inverse frequencies} of every rotary embedding transformers built (buffers named ``inv_freq`` or
+    ``<layer type>_inv_freq``; their ``original_`` copies left out)."""
+    return {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].endswith("inv_freq")
+            and "original_" not in n.rsplit(".", 1)[-1]}
+
+
+def rotary_layers(model) -> dict | None:
+    """The run record's ``rotary_layers``: which layers rotate and their pairs, where measured (hf/geometry.py)."""
+    rotations = (getattr(model.config, "extrapolab_rope", None) or {}).get("rotations")
+    return None if rotations is None else geometry.summary(rotations)
 
 
 def position_kind(config, model=None) -> str:
-    kind = POSITIONS.get(config.model_type)
-    if config.model_type == "falcon":
-        kind = "alibi" if getattr(config, "alibi", False) else "rope"
-    if kind is None and model is not None:
+    """rope | learned | alibi | unknown, from the config (``rope_parameters``, :func:`.rope_spec.uses_rope`) and,
+    with ``model``, the rotary embedding transformers built from it (module doc)."""
+    if config.model_type == "falcon" and getattr(config, "alibi", False):
+        return "alibi"
+    if config.model_type in NOT_ROPE:
+        return NOT_ROPE[config.model_type]
+    if uses_rope(config) and (model is None or rotary_buffers(model)):
+        return "rope"
+    if model is not None:
         named = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and "pos" in n.lower()]
-        kind = "learned" if named else "unknown"
-    return kind or "unknown"
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """A parsed ``--rope``: a rope_parameters rewrite, a two-pass method, log-n (each optional)."""
-
-    text: str
-    rewrite: tuple[str, float | None] | None = None  # (kind, factor; proportional: the fraction p)
-    rewrite_params: dict = field(default_factory=dict)  # its key=value fields, as rope_parameters keys
-    layer_type: str | None = None  # KIND:ARGS@TYPE: the rewrite of that layer type's rope_parameters only
-    method: str | None = None  # selfextend | rerope | rerope-leaky | dca | streaming
-    params: dict = field(default_factory=dict)  # G, w, k, chunk as given (an absent one: the default)
-    logn: int | None = None  # None off, 0 = the model's L_tr, else the L_tr to use
-
-    @property
-    def extends(self) -> bool:
-        """Whether the model needs the extrapolab attention function."""
-        return self.method is not None or self.logn is not None
-
-
-def _numbers(kind: str, args: str, n: int, text: str) -> list[float]:
-    vals = [a for a in args.split(",") if a] if args else []
-    try:
-        nums = [float(a) for a in vals]
-    except ValueError:
-        nums = []
-    if len(vals) > n or len(nums) != len(vals) or not all(math.isfinite(x) for x in nums):
-        raise UserError(f"--rope {kind} takes at most {n} number(s) ({ROPE_SYNTAX}); got {text!r}")
-    return nums
-
-
-def parse_rope(spec: str) -> RopeSpec:
-    """``--rope`` text -> :class:`RopeSpec`, or a one-line UserError with the syntax."""
-    text = str(spec).strip()
-    out: dict = {"rewrite": None, "rewrite_params": {}, "method": None, "params": {}, "logn": None, "layer_type": None}
-    for part in rope_kinds.split_top(text, "+"):
-        part, *at = rope_kinds.split_top(part.strip(), "@")
-        kind, _, args = part.strip().partition(":")
-        if at and (kind not in ROPE_KINDS or len(at) > 1 or not at[0].strip()):
-            raise UserError(f"--rope KIND:ARGS@TYPE names one layer type after a rope_parameters rewrite, e.g. "
-                            f"yarn:4@full; got {text!r}")
-        if kind in ROPE_KINDS:
-            if out["rewrite"]:
-                raise UserError(f"--rope takes one KIND:FACTOR with FACTOR >= 1, e.g. --rope yarn:4; got {text!r}")
-            out["layer_type"] = at[0].strip() if at else None
-            factor, fields = rope_kinds.parse_rewrite(kind, args, text)
-            if kind not in ("longrope", "proportional"):  # the others need FACTOR >= 1 (checked again on apply)
-                rope_kinds.check_factor(kind, factor, text, "yarn:4")
-            out["rewrite"], out["rewrite_params"] = (kind, factor), fields
-        elif kind in extend.TWOPASS:
-            if out["method"]:
-                raise UserError(f"--rope takes one two-pass, dca or streaming method (they run several passes); "
-                                f"got {text!r}")
-            nums = _numbers(kind, args, 2 if kind != "rerope" else 1, text)
-            names = {"selfextend": ("G", "w"), "dca": ("chunk", "w"), "streaming": ("sinks", "w")}.get(kind,
-                                                                                                  ("w", "k"))
-            if kind == "selfextend" and not nums:
-                raise UserError(f"--rope selfextend needs the group size: selfextend:G[,w], e.g. selfextend:4,1024; "
-                                f"got {text!r}")
-            params = dict(zip(names, nums))
-            if any(float(params[p]) != int(params[p]) for p in ("G", "w", "chunk", "sinks") if p in params):
-                raise UserError(f"--rope {kind}: G, C, K and w are whole numbers of tokens; got {text!r}")
-            out["method"], out["params"] = kind, params
-        elif kind == "logn" and out["logn"] is None:
-            L = _numbers(kind, args, 1, text)
-            if L and not (L[0] >= 2 and L[0] == int(L[0])):
-                raise UserError(f"--rope logn:L takes the training length L >= 2; got {text!r}")
-            out["logn"] = int(L[0]) if L else 0
-        else:
-            raise UserError(f"--rope takes {ROPE_SYNTAX}; got {text!r}")
-    if out["method"] and out["rewrite"] and out["rewrite"][0] in ("dynamic", "longrope"):
-        raise UserError(f"--rope {out['rewrite'][0]} changes the frequencies with the length; a multi-pass method "
-                        f"needs fixed ones: drop one of them (got {text!r})")
-    return RopeSpec(text, **out)
-
-
-def apply_rope(config, spec: str | RopeSpec, original: int | None = None) -> dict | None:
-    """Rewrite ``config.rope_parameters`` for the spec's rewrite part (see module doc); returns the
-    new parameters (None when the spec has no rewrite, only checks that the model uses RoPE).
-    ``original``: the pre-training length YaRN / llama3 scale from (default: the config's)."""
-    spec = spec if isinstance(spec, RopeSpec) else parse_rope(spec)
-    rp = getattr(config, "rope_parameters", None)
-    nested = layer_types.nested_types(config)
-    if position_kind(config) != "rope" or not isinstance(rp, dict) or ("rope_theta" not in rp and not nested):
-        raise UserError(f"--rope applies to RoPE models, but this {config.model_type} model has no "
-                        "rope_parameters; drop --rope")
-    if spec.rewrite is None:
-        return None
-    kind, number = spec.rewrite
-    orig = int(original) if original else config_train_length(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    rewrite = lambda old: rope_kinds.rope_parameters(kind, number, spec.rewrite_params, old, head_dim, orig,  # noqa: E731
-                                                     spec.text)
-    if nested or spec.layer_type:  # per layer type (hf/layer_types.py): that type's, or every RoPE type's
-        which = [layer_types.resolve(config, spec.layer_type, spec.text)] if spec.layer_type else \
-            [k for k in nested if rp[k] is not None]
-        new = dict(rp)
-        for key in which:
-            if rp[key] is None:
-                raise UserError(f"--rope {spec.text}: layer type {key} has no RoPE (a NoPE layer); drop @TYPE or name "
-                                f"a RoPE type: {', '.join(layer_types.short(k) for k in nested if rp[k] is not None)}")
-            new[key] = rewrite(rp[key])
-            if "truncate" in new[key]:  # transformers' YaRN reads it at the top level only (module doc)
-                new["truncate"] = new[key]["truncate"]
-    else:
-        new = rewrite(rp)
-    config.rope_parameters = new
-    try:
-        if hasattr(config, "validate_rope"):
-            config.validate_rope()
-    except (ValueError, KeyError) as e:
-        raise UserError(f"transformers rejects --rope {spec.text}: {str(e).splitlines()[0]}") from None
-    return new
+        return "learned" if named else "unknown"
+    return "unknown"
 
 
 def _from_pretrained(tr, path: Path, attn: str, kw: dict):
@@ -322,10 +215,13 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
     torch_dtype = resolve_dtype(dtype, device)
     try:
         config = tr.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"cannot read {path}/config.json ({str(e).splitlines()[0]}); pass a folder written by "
-                        "save_pretrained") from None
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError, huggingface_hub's field validation
+        why = " ".join(str(e).split())[:300]
+        fix = "fix rope_parameters there" if "rope" in why.lower() else "pass a folder written by save_pretrained"
+        raise UserError(f"cannot read {path}/config.json ({type(e).__name__}: {why}); {fix}") from None
+    check_rope_parameters(config, f"{path}/config.json")
     spec = parse_rope(rope) if rope else None
+    before = copy.deepcopy(getattr(config, "rope_parameters", None))
     rope_params = apply_rope(config, spec, train_length) if spec else None
     if (spec is not None and spec.extends) or attn == extend.ATTN:
         attn = extend.register()  # Self-Extend / ReRoPE / log-n / block statistics: our attention function
@@ -353,7 +249,8 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
         logn = None if spec.logn is None else (spec.logn or L_tr)
         extension = extend.install(model, spec.method, params, logn, L_tr)
     max_len = config_train_length(config) if kind == "learned" else None
-    info = {"rope_parameters": rope_params, "rope_extension": extension, "layer_types": layer_types.summary(config),
+    info = {"rope_parameters": rope_params, "rope_parameters_before": before if rope_params is not None else None,
+            "rope_extension": extension, "rotary_layers": rotary_layers(model), "layer_types": layer_types.summary(config),
             "dtype": str(torch_dtype).replace("torch.", ""),
             "device": str(device), "parameters": sum(p.numel() for p in model.parameters())}
     if gguf is not None:

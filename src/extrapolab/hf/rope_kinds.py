@@ -45,7 +45,9 @@ KEYS = {
                  "attention_factor", "original": _ORIG},
     "proportional": {"factor": "factor"},
 }
-LISTS, BOOLS, INTS = ("short_factor", "long_factor"), ("truncate",), (_ORIG,)
+#: ``replace=true``: a rewrite of parameters that already scale RoPE replaces them (hf/rope_spec.py); any kind
+REPLACE = "replace"
+LISTS, BOOLS, INTS = ("short_factor", "long_factor"), ("truncate", REPLACE), (_ORIG,)
 
 
 def split_top(text: str, sep: str) -> list[str]:
@@ -128,12 +130,14 @@ def parse_rewrite(kind: str, args: str, text: str) -> tuple[float | None, dict]:
             if not math.isfinite(number):
                 raise UserError(f"--rope takes one KIND:FACTOR with FACTOR >= 1, e.g. --rope yarn:4 ({SYNTAX}); "
                                 f"got {text!r}")
+        elif key == REPLACE:
+            params[REPLACE] = _value(kind, REPLACE, raw, text)
         elif key in names:
             if names[key] in params:
                 raise UserError(f"--rope {kind} got {names[key]} twice; give it once ({text!r})")
             params[names[key]] = _value(kind, names[key], raw, text)
         else:
-            valid = ", ".join(KEYS[kind]) or "none (only the factor)"
+            valid = ", ".join([*KEYS[kind], REPLACE])
             raise UserError(f"--rope {kind} has no option {key!r}; its options: {valid} ({text!r})")
     return number, {**from_file, **params}
 
