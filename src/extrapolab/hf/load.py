@@ -5,11 +5,14 @@
 (:mod:`.gguf`; the run record's ``gguf`` block says which file, sha256 and quantisation). What the
 rest of extrapolab needs to know about the model is read from its config once, here:
 
-* ``positions`` -- how it encodes position: ``learned`` (GPT-2 ``n_positions``, OPT, GPT-Neo:
-  a table of absolute embeddings, so no length past it can be encoded), ``rope`` (GPT-NeoX /
-  Pythia, Llama, Mistral, Qwen2, ...: any length runs), ``alibi`` (BLOOM, MPT: any length runs);
-  an unlisted family counts as ``learned`` when it owns an embedding module named like a
-  position table, else ``unknown`` (any length is tried);
+* ``positions`` -- how it encodes position: ``rope`` when the config has ``rope_parameters`` and
+  transformers built a rotary embedding from them (:func:`.rope_spec.uses_rope`, :func:`rotary_buffers`:
+  GPT-NeoX / Pythia, Llama, Mistral, Qwen2, Gemma 2 / 3, Cohere2, Llama 4, SmolLM3, gpt-oss, ...: any
+  length runs), ``learned`` (GPT-2 ``n_positions``, OPT, GPT-Neo: a table of absolute embeddings, so no
+  length past it can be encoded), ``alibi`` (BLOOM, MPT, Falcon with ``alibi``: any length runs); another
+  model counts as ``learned`` when it owns an embedding module named like a position table, else
+  ``unknown`` (any length is tried). A malformed ``rope_parameters`` is a one-line error here
+  (:func:`.rope_spec.check_rope_parameters`);
 * ``train_length`` -- the L_tr extrapolab compares against: the config's pre-training length
   (``max_position_embeddings`` / ``n_positions`` / ``max_seq_len``), or the caller's.
 
@@ -26,6 +29,8 @@ x s^(d/(d-2))), which HF has no rope type for, so it is applied as a new ``rope_
 default RoPE. The kinds' ``key=value`` fields and their checks: :mod:`.rope_kinds`. On a model with layer
 types (``layer_types``, ``rope_parameters`` nested per type: Gemma 3) a rewrite applies to every RoPE type, or
 with ``@TYPE`` to that type only (``--rope yarn:4@full``: the global layers of Gemma 3); :mod:`.layer_types`.
+A rewrite of parameters that already scale RoPE (gpt-oss's YaRN, Gemma 3 4B's linear x8) needs
+``replace=true`` (:mod:`.rope_spec`); the run record keeps ``rope_parameters_before`` and ``rope_parameters``.
 
 The extensions HF has no rope type for run in transformers' attention-function registry
 (:mod:`.extend`): ``selfextend:G,w`` (Self-Extend, Jin et al. 2024; w defaults to L_tr/4),
@@ -37,7 +42,8 @@ log(m+1)/log L_tr); ``logn:L`` names L_tr). Parts combine with ``+``: at most on
 multi-pass method and ``logn``, e.g. ``--rope rerope:512+logn`` (the ReRoPE patch) or ``--rope
 yarn:2+logn``; a multi-pass method with
 ``dynamic`` or ``longrope`` is refused (their frequencies change with the length). Such a model is
-loaded with ``attn_implementation="extrapolab"``.
+loaded with ``attn_implementation="extrapolab"``, each layer's rotation measured on it (:mod:`.geometry`,
+``rotary_layers`` in the run record), its chunked masks honoured (:mod:`.masks`).
 """
 from __future__ import annotations
 
@@ -157,6 +163,19 @@ def position_kind(config, model=None) -> str:
     return "unknown"
 
 
+def _config_error(path: Path, e: Exception) -> str:
+    """One line for a config.json transformers cannot read: the field and its value where it names one."""
+    why = " ".join(str(e).split())
+    bad = re.search(r"[Ff]ield '(\w+)' with value (.{1,60}?) doesn't match", why)
+    if bad:
+        what = " (a mapping such as {\"rope_type\": \"default\", \"rope_theta\": 10000.0})" \
+            if bad.group(1) == "rope_parameters" else ""
+        return (f"cannot read {path}/config.json: its field {bad.group(1)!r} is {bad.group(2)}, of a type transformers "
+                f"does not accept; fix {bad.group(1)} there{what}")
+    fix = "fix rope_parameters there" if "rope" in why.lower() else "pass a folder written by save_pretrained"
+    return f"cannot read {path}/config.json ({type(e).__name__}: {why[:300]}); {fix}"
+
+
 def _from_pretrained(tr, path: Path, attn: str, kw: dict):
     try:
         try:
@@ -216,9 +235,7 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
     try:
         config = tr.AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError, huggingface_hub's field validation
-        why = " ".join(str(e).split())[:300]
-        fix = "fix rope_parameters there" if "rope" in why.lower() else "pass a folder written by save_pretrained"
-        raise UserError(f"cannot read {path}/config.json ({type(e).__name__}: {why}); {fix}") from None
+        raise UserError(_config_error(path, e)) from None
     check_rope_parameters(config, f"{path}/config.json")
     spec = parse_rope(rope) if rope else None
     before = copy.deepcopy(getattr(config, "rope_parameters", None))
@@ -250,7 +267,8 @@ def load_hf(spec, *, device: str | torch.device = "cpu", dtype: str = "auto", at
         extension = extend.install(model, spec.method, params, logn, L_tr)
     max_len = config_train_length(config) if kind == "learned" else None
     info = {"rope_parameters": rope_params, "rope_parameters_before": before if rope_params is not None else None,
-            "rope_extension": extension, "rotary_layers": rotary_layers(model), "layer_types": layer_types.summary(config),
+            "rope_extension": extension, "rotary_layers": rotary_layers(model),
+            "layer_types": layer_types.summary(config),
             "dtype": str(torch_dtype).replace("torch.", ""),
             "device": str(device), "parameters": sum(p.numel() for p in model.parameters())}
     if gguf is not None:

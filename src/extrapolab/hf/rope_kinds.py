@@ -12,6 +12,8 @@ commas (quote the whole argument in a shell):
     longrope:[S,]long=[...][,short=[...],attention_factor=F,original=N]   or   longrope:FILE.json[,...]
     proportional:P[,factor=S]                         (p-RoPE: the fraction P of frequency pairs that rotate)
 
+Any kind also takes ``replace=true``: rewrite parameters that already scale RoPE (hf/rope_spec.py).
+
 A longrope FILE.json holds ``long_factor`` / ``short_factor`` (and optionally ``factor``,
 ``attention_factor``, ``original_max_position_embeddings``) at its top level or under
 ``rope_scaling`` / ``rope_parameters``, so a Phi-3 ``config.json`` works as it is (its s is then

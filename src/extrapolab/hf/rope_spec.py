@@ -199,8 +199,9 @@ def _original(spec: RopeSpec, old: dict, original: int | None, label: str, confi
         return int(old[_ORIG])
     if original:
         return int(original)
-    raise UserError(f"--rope {spec.text}: {label} replaces {_describe(old)}, whose unscaled length is not in the "
-                    f"config (max_position_embeddings is the scaled one); give it: {spec.rewrite[0]}:...,original=N")
+    raise UserError(f"--rope {spec.text}: replacing {label} ({_describe(old)}) needs the length its unscaled RoPE was "
+                    f"trained at, which the config does not give (max_position_embeddings is the scaled one); give "
+                    f"it: {spec.rewrite[0]}:...,original=N")
 
 
 def apply_rope(config, spec: str | RopeSpec, original: int | None = None) -> dict | None:
