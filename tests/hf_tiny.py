@@ -67,7 +67,8 @@ def config(family: str, vocab: int, layers: int | None = None):
                                   "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}} \
             if family == "gemma3_linear" else {}
         return tr.Gemma3TextConfig(**rp, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAXPOS,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=MAXPOS,
                                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                    final_logit_softcapping=0.2, query_pre_attn_scalar=8, pad_token_id=0, **common)
     small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -43,11 +43,12 @@ the context; both on one type; a window over a scheme that cannot take one; a mi
 unknown published layout, one with no global layer at the model's depth; a rope kind's list of the wrong
 length in a type; through --rope: a layer type the model lacks, longrope@TYPE without its list, @TYPE on
 a model with one rope_parameters, @TYPE after a non-rewrite.
-The Hugging Face bridge on hybrid RoPE families (11): a malformed rope_parameters on Cohere2 (an unknown
+The Hugging Face bridge on hybrid RoPE families (12): a malformed rope_parameters on Cohere2 (an unknown
 rope_type), Llama 4 (a rope_theta that is no number; also through the CLI), SmolLM3 (not a mapping), gpt-oss
 (YaRN without its factor), Gemma 2 (a factor below 1); through --rope: a layer type a model with one rotary
 embedding lacks, @TYPE on such a model, a rewrite over a type that already scales RoPE, replace=true without
-the unscaled length; a chunked model (Llama 4) under a method that cannot honour chunks (one-pass alignment).
+the unscaled length; a chunked model (Llama 4) under a method that cannot honour chunks (one-pass alignment);
+a --rope method on a model whose attention skips the registered function (Falcon).
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -903,6 +904,22 @@ def test_rope_over_existing_scaling_is_one_line(case, spec, needles):
                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     raises(case, lambda: apply_rope(cfg, spec), *needles)
+
+
+def test_a_method_on_a_model_that_skips_the_registered_attention_is_one_line(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from hf_tiny import tokenizer
+
+    from extrapolab.hf import open_hf
+
+    tok, folder = tokenizer(), tmp_path / "falcon"
+    cfg = transformers.FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=len(tok),
+                                    max_position_embeddings=48)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)  # Falcon: its own attention classes
+    tok.save_pretrained(folder)
+    raises("--rope logn on a model whose attention skips the registered function (Falcon)",
+           lambda: open_hf(f"hf:{folder}", device="cpu", rope="logn"), "falcon models do not run a registered "
+           "attention function", "use a rope_parameters rewrite or drop it")
 
 
 def test_alignment_on_a_chunked_model_is_one_line(tmp_path):

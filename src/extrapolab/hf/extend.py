@@ -251,6 +251,8 @@ def install(model, method: str | None, params: dict, logn: int | None, train_len
         record.update(rule.describe())
         if method == "selfextend":
             record["max_length"] = selfextend_max_length(train_length, rule.window, rule.group)
+    else:
+        geometry.check_called(model)  # log-n alone: nothing to re-rotate, but it must run
     if logn:
         spec["logn"] = record["logn"] = int(logn)
     model.config.extrapolab_rope = spec

@@ -72,18 +72,36 @@ def _fit(x0: tuple, moved: dict, cands: list, layer, model_type: str) -> dict | 
 
 
 @torch.no_grad()
-def measure(model, far: int) -> dict[str, dict | None]:
-    """{str(layer): {"inv_freq": [...], "halves": bool} or None (NoPE)} of an HF model whose attention runs
-    through the registered function (module doc); ``far`` = P (:func:`far_position`)."""
+def _record(model, positions) -> dict[int, list]:
+    """{p: [(layer_idx, q, k) per attention call]} of one-token forwards at each position p (module doc); a
+    one-line error when the registered attention function is never called."""
     cfg = model.config
     vocab = int(getattr(cfg, "vocab_size", 0) or model.get_input_embeddings().weight.shape[0])
     dev = next(model.parameters()).device
     ids = torch.tensor([[vocab // 3], [vocab // 2], [vocab - 1]], device=dev)  # [3, 1]: three tokens, one each
     runs = {}
-    for p in (0, 1, int(far)):
+    for p in positions:
         rec: list = []
         model(input_ids=ids, position_ids=torch.full((1, 1), p, device=dev), use_cache=False, **{PROBE_KWARG: rec})
         runs[p] = rec
+        if not rec:
+            raise UserError(f"this {cfg.model_type} model never calls the registered attention function (its "
+                            "attention does not go through transformers' attention interface); it cannot take a "
+                            "--rope method, logn or --protocol cached")
+    return runs
+
+
+def check_called(model) -> None:
+    """A one-line error unless the model's attention runs through the registered function."""
+    _record(model, (0,))
+
+
+@torch.no_grad()
+def measure(model, far: int) -> dict[str, dict | None]:
+    """{str(layer): {"inv_freq": [...], "halves": bool} or None (NoPE)} of an HF model whose attention runs
+    through the registered function (module doc); ``far`` = P (:func:`far_position`)."""
+    cfg = model.config
+    runs = _record(model, (0, 1, int(far)))
     layers = [layer for layer, _, _ in runs[0]]
     cands = candidates(model)
     fits = []

@@ -9,7 +9,8 @@ rest of extrapolab needs to know about the model is read from its config once, h
   transformers built a rotary embedding from them (:func:`.rope_spec.uses_rope`, :func:`rotary_buffers`:
   GPT-NeoX / Pythia, Llama, Mistral, Qwen2, Gemma 2 / 3, Cohere2, Llama 4, SmolLM3, gpt-oss, ...: any
   length runs), ``learned`` (GPT-2 ``n_positions``, OPT, GPT-Neo: a table of absolute embeddings, so no
-  length past it can be encoded), ``alibi`` (BLOOM, MPT, Falcon with ``alibi``: any length runs); another
+  length past it can be encoded; GPT-J and CodeGen, RoPE from their own ``rotary_dim`` table, count as
+  ``rope`` too), ``alibi`` (BLOOM, MPT, Falcon with ``alibi``: any length runs); another
   model counts as ``learned`` when it owns an embedding module named like a position table, else
   ``unknown`` (any length is tried). A malformed ``rope_parameters`` is a one-line error here
   (:func:`.rope_spec.check_rope_parameters`);
@@ -157,6 +158,8 @@ def position_kind(config, model=None) -> str:
         return NOT_ROPE[config.model_type]
     if uses_rope(config) and (model is None or rotary_buffers(model)):
         return "rope"
+    if getattr(config, "rotary_dim", None):  # GPT-J, CodeGen: RoPE from their own table, no rope_parameters
+        return "rope"
     if model is not None:
         named = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and "pos" in n.lower()]
         return "learned" if named else "unknown"
@@ -180,9 +183,14 @@ def _from_pretrained(tr, path: Path, attn: str, kw: dict):
     try:
         try:
             model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)
-        except ValueError as e:
+        except (ValueError, KeyError) as e:
             msg = str(e).lower()
-            if attn == "eager" or not ("attn" in msg or "attention" in msg):
+            if attn == extend.ATTN:  # never a silent fallback: the methods would not run (a one-line error)
+                raise UserError(f"{kw['config'].model_type} models do not run a registered attention function "
+                                f"(transformers: {str(e).splitlines()[0][:160]}), so the extrapolab attention "
+                                "cannot serve them (--rope METHOD / logn, --protocol cached, block-wise alignment); "
+                                "use a rope_parameters rewrite or drop it") from None
+            if attn == "eager" or isinstance(e, KeyError) or not ("attn" in msg or "attention" in msg):
                 raise
             attn = "eager"  # the family has no such kernel (BLOOM, MPT): its own eager attention
             model = tr.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attn, **kw)

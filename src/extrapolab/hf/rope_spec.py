@@ -211,8 +211,10 @@ def apply_rope(config, spec: str | RopeSpec, original: int | None = None) -> dic
     spec = spec if isinstance(spec, RopeSpec) else parse_rope(spec)
     rp = getattr(config, "rope_parameters", None)
     if not uses_rope(config):
-        raise UserError(f"--rope applies to RoPE models, but this {config.model_type} model has no rope_parameters "
-                        "(it encodes positions otherwise); drop --rope")
+        how = "its RoPE table comes from rotary_dim, which neither a rewrite nor the registered attention reaches" \
+            if getattr(config, "rotary_dim", None) else "it encodes positions otherwise"
+        raise UserError(f"--rope applies to RoPE models built from rope_parameters, but this {config.model_type} model "
+                        f"has no rope_parameters ({how}); drop --rope")
     if spec.rewrite is None:
         return None
     kind, number = spec.rewrite
