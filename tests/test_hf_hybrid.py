@@ -240,3 +240,58 @@ def test_rope_replace_and_the_run_record_before_after(folders, spec, full, slidi
     block = model_block(ours)  # what eval.json's "model" holds
     assert block["rope_parameters_before"] == GEMMA3
     assert {k: block["rope_parameters"][k] for k in GEMMA3} == want
+
+
+def test_cli_eval_records_rope_before_after_and_the_rotating_layers(folders, tmp_path):
+    """The user path: ``extrapolab eval hf:LLAMA4 --rope ...`` with the cached protocol writes positions "rope",
+    the rope_parameters before and after, the measured rotating / NoPE layers and finite E1 and E5."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from extrapolab.cli.main import app
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"d{i:02d}.txt").write_text(f"doc {i}\n" + TEXT[i * 40:] + TEXT[: i * 40])
+    out = tmp_path / "out"
+    args = ["eval", f"hf:{folders['llama4_text']}", "--rope", "yarn:2+rerope:20", "--lengths", "64", "--protocol",
+            "nonoverlapping", "--protocol", "cached", "--out", out, "--device", "cpu", "--dtype", "fp32",
+            "--set", f"data.corpus=path:{docs}", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set",
+            "data.test_percent=40", "--set", "data.valid_percent=10", "--set", "eval.num_tokens=200", "--set",
+            "eval.sinks=2"]
+    r = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = json.loads((out / "eval-rope-yarn2-rerope20.json").read_text())
+    model = res["model"]
+    assert model["positions"] == "rope" and model["family"] == "llama4_text"
+    assert model["rope_parameters_before"] == {"rope_type": "default", "rope_theta": 500_000.0}
+    assert model["rope_parameters"]["rope_type"] == "yarn" and model["rope_parameters"]["factor"] == 2.0
+    assert model["rotary_layers"] == {"rope_layers": [0, 1, 2], "nope_layers": [3], "pairs": ["(2i, 2i + 1)"]}
+    for proto in ("nonoverlapping", "cached"):
+        assert res["ppl"][proto] and all(math.isfinite(v) for v in res["ppl"][proto].values()), res["ppl"]
+
+
+def test_the_registered_mask_function_reads_the_mask_transformers_builds():
+    """causal and sliding -> None (the attention applies them by position), chunked -> its chunks, any other
+    mask (bidirectional, a custom overlay: use_vmap) and padding -> one line; chunk spans by index."""
+    from transformers import masking_utils as mu
+
+    from extrapolab.hf.masks import ChunkMask, chunk_spans, model_mask
+
+    zeros = torch.zeros(1, dtype=torch.long)
+    assert model_mask(mask_function=mu.causal_mask_function) is None
+    assert model_mask(mask_function=mu.sliding_window_causal_mask_function(8), local_size=8) is None
+    got = model_mask(mask_function=mu.chunked_causal_mask_function(16, zeros), local_size=16, q_offset=35)
+    assert got == ChunkMask(16, 35, 0)
+    for bad in ({"mask_function": mu.bidirectional_mask_function},
+                {"mask_function": mu.causal_mask_function, "use_vmap": True},
+                {"mask_function": mu.chunked_causal_mask_function(16, zeros), "local_size": 8}):
+        with pytest.raises(UserError, match="takes causal, sliding-window and chunked attention masks"):
+            model_mask(**bad)
+    with pytest.raises(UserError, match="padded batches"):
+        model_mask(mask_function=mu.causal_mask_function, attention_mask=torch.tensor([[0, 1, 1]]))
+    # 40 queries from index 0 over 40 keys: chunks [0, 16), [16, 32), [32, 40); one query at index 35 of 36 keys
+    assert chunk_spans(40, 40, ChunkMask(16)) == [(0, 16, 0, 16), (16, 32, 16, 32), (32, 40, 32, 40)]
+    assert chunk_spans(1, 36, ChunkMask(16, 35, 0)) == [(0, 1, 32, 36)]
