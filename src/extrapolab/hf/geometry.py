@@ -79,11 +79,19 @@ def _record(model, positions) -> dict[int, list]:
     vocab = int(getattr(cfg, "vocab_size", 0) or model.get_input_embeddings().weight.shape[0])
     dev = next(model.parameters()).device
     ids = torch.tensor([[vocab // 3], [vocab // 2], [vocab - 1]], device=dev)  # [3, 1]: three tokens, one each
-    runs = {}
-    for p in positions:
-        rec: list = []
-        model(input_ids=ids, position_ids=torch.full((1, 1), p, device=dev), use_cache=False, **{PROBE_KWARG: rec})
-        runs[p] = rec
+    runs, kept = {}, getattr(cfg, "extrapolab_rope", None)
+    cfg.extrapolab_rope = {}  # plain attention while measuring: the model's own rotation, nothing of a method's
+    try:
+        for p in positions:
+            runs[p] = rec = []
+            model(input_ids=ids, position_ids=torch.full((1, 1), p, device=dev), use_cache=False,
+                  **{PROBE_KWARG: rec})
+    finally:
+        if kept is None:
+            del cfg.extrapolab_rope
+        else:
+            cfg.extrapolab_rope = kept
+    for rec in runs.values():
         if not rec:
             raise UserError(f"this {cfg.model_type} model never calls the registered attention function (its "
                             "attention does not go through transformers' attention interface); it cannot take a "
