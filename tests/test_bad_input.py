@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 140 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 141 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
