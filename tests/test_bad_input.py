@@ -33,8 +33,9 @@ Attention options and their schemes (14): sinks with stick-breaking, with impl=f
 alignment; model.sinks not a boolean; an unknown model.qk_norm form; a model.qk_norm_eps <= 0; RegularGPT with an attention option; PoPE with base <= 1 and with a
 head size it was not built for; selective attention on a scheme with positions from content, with a head
 out of range and under eval.bca; a bench row setting a model field that is not an option, or an unknown +option.
-RULER's synthetic tasks (6): an unknown task, a task that needs a download, a length the task does not
-fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cannot encode text.
+RULER's synthetic tasks (7): an unknown task, a task that needs a download, a length the task does not
+fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cannot encode text, an unknown
+seeding.
 DCA and StreamingLLM's sink tokens (6): a DCA chunk past L_tr, a local window as wide as the chunks,
 sinks plus window past L_tr (schemes); eval.sinks below -1, eval.sinks on a learned-position run; bench --hf
 --sinks without a window.
@@ -882,6 +883,8 @@ def test_ruler_bad_input_is_one_line(tmp_path):
     bare = TokenData.from_arrays([1, 2], [1], [1], vocab_size=300, eot_id=299)  # ids only, no tokenizer
     raises("RULER: model without a tokenizer", lambda: ruler_samples("fwe", 1024, bare, 1, cache_dir=False),
            "cannot encode text", "RULER needs a real tokenizer")
+    raises("RULER: unknown seeding", lambda: ruler_samples("fwe", 1024, codec, 1, cache_dir=False, seeding="single"),
+           "ruler.seeding must be chunk", "or stream")
 
 
 # ---- the CLI -------------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ def test_qk_norm_and_gate_equal_qwen3_next_gated_attention():
 
 
 def _causal_mask(L):
-    return torch.zeros(1, 1, L, L, dtype=torch.float64).masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), -math.inf)
+    future = torch.ones(L, L, dtype=torch.bool).triu(1)  # [L, L]
+    return torch.zeros(1, 1, L, L, dtype=torch.float64).masked_fill(future, -math.inf)  # [1, 1, L, L]
 
 
 def _hf_attention_out(blk, ref, L=13):

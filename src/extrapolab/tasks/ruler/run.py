@@ -33,8 +33,8 @@ from ... import config as C
 from ...io import UserError, atomic_write_json, atomic_write_text, sha256_file
 from .prompt import PromptFormat
 from .report import csv_text, markdown, summarize
-from .samples import FORMAT, ruler_samples
-from .score import score_samples
+from .samples import FORMAT, SEEDINGS, ruler_samples
+from .score import add_terms, score_samples
 from .spec import TASKS, task_names
 from .text import ESSAY_LABEL
 
@@ -48,8 +48,11 @@ class RulerSpec:
 
     tasks: list = field(default_factory=lambda: ["all"])  # names, "all" or "niah"
     lengths: list = field(default_factory=lambda: [4096, 8192, 16384, 32768])
-    n: int = 5  # samples per (task, length); sample i is RULER's draw with seed + i
+    n: int = 5  # samples per (task, length)
     seed: int = 42
+    #: chunk: sample i is RULER's draw with seed + i (its --chunk_amount n); stream: RULER's default single
+    #: stream seeded seed (--chunk_amount 1); tasks/ruler/samples.py
+    seeding: str = "chunk"
     chat: str = "auto"  # auto | on | off: the tokenizer's chat template as RULER's model template
     metrics: str = "auto"  # auto (hf: both, runs: teacher) | both | greedy | teacher
     essay: str = ""  # a file or folder for the essay haystack ("" = the python3-doc substitute)
@@ -138,7 +141,8 @@ def _say_plan(say, m: _Model, tasks, lengths, n, greedy, teacher) -> None:
 
 def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | None = None, tasks=None,
               lengths=None, n: int | None = None, seed: int | None = None, chat: str | None = None,
-              metrics: str | None = None, rope: str | None = None, train_length: int | None = None,
+              metrics: str | None = None, seeding: str | None = None, rope: str | None = None,
+              train_length: int | None = None,
               out=None, which: str = "best", device: str = "auto", dtype: str = "auto", command: str = "",
               prepare_only: bool = False, say=print) -> dict:
     """Run RULER's offline tasks on ``source`` (module doc); returns the results dict.
@@ -146,12 +150,15 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     t0, load0 = time.time(), _load()
     spec, cache_dir = load_spec(preset, overrides)
     for name, value in (("tasks", tasks), ("lengths", lengths), ("n", n), ("seed", seed), ("chat", chat),
-                        ("metrics", metrics)):
+                        ("metrics", metrics), ("seeding", seeding)):
         if value is not None:
             setattr(spec, name, value)
     spec.tasks, spec.lengths = task_names(spec.tasks), _lengths(spec.lengths)
     if int(spec.n) < 1:
         raise UserError(f"ruler.n (samples per task and length) must be >= 1; got {spec.n}")
+    if spec.seeding not in SEEDINGS:
+        raise UserError(f"--seeding takes chunk (sample i seeded seed + i, RULER's --chunk_amount n) or stream "
+                        f"(RULER's default single stream); got {spec.seeding!r}")
     if spec.metrics not in METRIC_MODES:
         raise UserError(f"--metrics takes {', '.join(METRIC_MODES)}; got {spec.metrics!r}")
     m = _Model(source, rope=rope, train_length=train_length, which=which, device=device, dtype=dtype,
@@ -161,7 +168,8 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     fmt = PromptFormat(m.tokenizer, spec.chat)
     m.check_lengths(spec.lengths)
     essay = spec.essay or None
-    sets = {(t, L): ruler_samples(t, L, fmt, spec.n, spec.seed, cache_dir=cache_dir, essay=essay, say=say)
+    sets = {(t, L): ruler_samples(t, L, fmt, spec.n, spec.seed, cache_dir=cache_dir, essay=essay, say=say,
+                                  seeding=spec.seeding)
             for L in spec.lengths for t in spec.tasks}  # scored length by length: a stopped run has whole columns
     if prepare_only:
         n_sets = len(sets)
@@ -178,6 +186,8 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
                                         default=str).encode()).hexdigest()[:16]
         path = out / "cells" / f"{t}-{L}.json"
         cell = _read_cell(path, key, say)
+        if cell is not None:  # a cell scored before records kept their terms: rounded once from here on
+            add_terms(cell["records"], samples)
         if cell is None:
             say(f"{t} @ {L}: scoring {len(samples)} samples")
             with m.autocast():
@@ -238,7 +248,9 @@ def _report(res: dict, tables: str) -> str:
     lines = [f"# RULER (offline tasks) on {m['name']}", "",
              f"- command: `{res['command'] or 'run_ruler(...)'}`",
              f"- tasks: {', '.join(spec['tasks'])}; lengths {spec['lengths']}; {spec['n']} samples per cell "
-             f"(sample i drawn with seed {spec['seed']} + i); scored: {res['mode']}",
+             + (f"(sample i drawn with seed {spec['seed']} + i, RULER's --chunk_amount {spec['n']}); "
+                if spec.get("seeding", "chunk") == "chunk" else
+                f"(one stream seeded {spec['seed']}, RULER's default --chunk_amount 1); ") + f"scored: {res['mode']}",
              f"- generation: {res['source']} rules; prompts in the model's tokenizer"
              + (", inside its chat template" if res["chat_template"] else ", no chat template (RULER's base)"),
              f"- model: {m.get('source')} (weights {str(m.get('weights'))[:16]}, {m.get('dtype')}, {m.get('device')}"
