@@ -13,6 +13,7 @@ from ruler_tiny import essay_text, save_llama  # noqa: E402
 
 from extrapolab import config as C  # noqa: E402
 from extrapolab.cli.main import app  # noqa: E402
+from extrapolab.tasks.ruler.text import essay_haystack  # noqa: E402
 
 TASKS = "niah_single_1,niah_single_2,vt,fwe"
 
@@ -53,6 +54,9 @@ def test_hf_model_end_to_end_resume_and_damaged_cell(env, tmp_path):
     md = (out / "report.md").read_text()
     assert "RULER score" in md and "Teacher-forced" in md and "| **average** |" in md and "wall time" in md
     assert "(sample i drawn with seed 42 + i, RULER's --chunk_amount 2)" in md  # the seeding the report names
+    words, ident = essay_haystack(env["root"] / "essay.txt")
+    assert res["essay_text"]["words"] == len(words) == len(essay_text().split())  # which text the haystack was
+    assert f"{len(words):,} words, sha256 {ident.rsplit(':', 1)[1]}… of the text" in md
     rows = (out / "ruler.csv").read_text().splitlines()
     assert rows[0].startswith("task,length,depth,n,score,tf_exact") and len(rows) > 1 + 8
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}

@@ -40,6 +40,7 @@ import torch
 
 from .. import config as C
 from ..analysis.erf import measure_erf
+from ..data import provenance
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
@@ -147,7 +148,8 @@ def run_rope_study(preset: str, out: Path | None = None, overrides: list[str] | 
     results = {"preset": str(preset), "budget": spec.budget, "spec": dataclasses.asdict(spec),
                "config": cfg.to_dict(), "train": summary, "mixture": sizes, "align": res,
                "taus": {r: {str(L): v for L, v in row.items()} for r, row in taus.items()}, "methods": methods,
-               "wall_s": wall, "train_wall_s": train_wall, "stage_seconds": stages.seconds}
+               "wall_s": wall, "train_wall_s": train_wall, "stage_seconds": stages.seconds,
+               "data": provenance(data)}  # which text of the corpus (data/origin.py)
     atomic_write_json(out / "results.json", results)
     report = write_rope_report(out, results)
     say(f"report: {report} (wall time {wall:.0f} s)")

@@ -13,6 +13,7 @@ data/documents.py); this module puts that hash, and where the text came from, be
   Makefile installs), nothing for ``path:`` / ``hf:`` corpora (the hash is their identity);
 * :func:`provenance` -- ``{"corpus", "corpus_hash", "source"}`` of a prepared dataset (its meta; the
   source is recorded when the data is built and worked out on this host for data built before that);
+  :func:`corpus_provenance` the same from a data config, for studies on ``hf:`` models;
 * :func:`corpus_line` -- the line every report prints; :func:`mixed_corpora` -- the one warning line
   when results to be compared (a sweep's runs, a resumed sweep, a report over several runs) were
   measured on different hashes of the same corpus.
@@ -86,6 +87,17 @@ def provenance(data) -> dict | None:
     if source is None and "corpus_source" not in meta:  # prepared before sources were recorded: this host's
         source = corpus_source(meta.get("corpus", ""), meta.get("corpus_root"))
     return {"corpus": meta.get("corpus"), "corpus_hash": chash, "source": source}
+
+
+def corpus_provenance(data_cfg) -> dict:
+    """:func:`provenance` of ``data_cfg.corpus`` read as ``prepare`` reads it, for studies that tokenize it with a
+    model's own tokenizer (``hf:``) and so have no prepared meta to read it from."""
+    from .corpus import read_corpus
+    from .documents import manifest_hash
+
+    corpus = read_corpus(data_cfg.corpus, data_cfg.max_bytes)
+    return {"corpus": data_cfg.corpus, "corpus_hash": manifest_hash(corpus.manifest()),
+            "source": corpus_source(data_cfg.corpus, corpus.root)}
 
 
 def corpus_line(p: dict | None, corpus: str | None = None) -> str:

@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import config as C
+from ...data.origin import NOT_RECORDED, corpus_source
 from ...io import UserError, atomic_write_json, atomic_write_text, sha256_file
 from .prompt import PromptFormat
 from .report import csv_text, markdown, summarize
 from .samples import FORMAT, SEEDINGS, ruler_samples
 from .score import add_terms, score_samples
 from .spec import TASKS, task_names
-from .text import ESSAY_LABEL
+from .text import ESSAY_LABEL, essay_haystack, essay_root
 
 RULER_SOURCE = "NVIDIA/RULER at c3f5e3b"
 METRIC_MODES = ("auto", "both", "greedy", "teacher")
@@ -200,6 +201,7 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     res = {"study": "ruler", "source": RULER_SOURCE, "command": command, "spec": dataclasses.asdict(spec),
            "mode": mode, "model": m.info, "chat_template": list(fmt.chat) if fmt.chat else None,
            "essay": ESSAY_LABEL if any(TASKS[t].essay for t in spec.tasks) else None,
+           "essay_text": _essay_text(essay) if any(TASKS[t].essay for t in spec.tasks) else None,
            "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": _threads(),
                     "load_average": [load0, _load()]},
            "wall_s": round(time.time() - t0, 1), "summary": _jsonable(summary), "records": records}
@@ -222,6 +224,13 @@ def _read_cell(path: Path, key: str, say) -> dict | None:
         say(f"{path.name}: stored for other settings or damaged; scoring it again")
         return None
     return cell
+
+
+def _essay_text(essay) -> dict:
+    """The essay haystack's size, hash and source package (hosts' python3-doc releases differ: data/origin.py)."""
+    words, ident = essay_haystack(essay)
+    return {"words": len(words), "sha256": ident.rsplit(":", 1)[1],
+            "source": corpus_source("pydoc", str(essay_root(essay))) if not essay else f"the file or folder {essay}"}
 
 
 def _load() -> float | None:
@@ -260,7 +269,10 @@ def _report(res: dict, tables: str) -> str:
              f"time {res['wall_s']:.0f} s (cells reused from an earlier run count zero; each cell's scoring seconds "
              "are in ruler.json)"]
     if res["essay"]:
-        lines.append(f"- essay haystack: {ESSAY_LABEL} (python3-doc prose instead of Paul Graham's essays)")
+        e = res.get("essay_text") or {}
+        lines.append(f"- essay haystack: {ESSAY_LABEL} (python3-doc prose instead of Paul Graham's essays)"
+                     + (f": {e['words']:,} words, sha256 {e['sha256']}… of the text, from {e['source']}" if e else
+                        f"; {NOT_RECORDED}"))
     if spec.get("budget"):
         lines.append(f"- preset budget: {spec['budget']}")
     return "\n".join(lines) + "\n\n" + tables
