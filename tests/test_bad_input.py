@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 131 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 132 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -30,7 +30,8 @@ an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes)
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
 unreadable factor file, an mscale alone, an unknown option, proportional on a partial-rotary model.
 Attention options and their schemes (14): sinks with stick-breaking, with impl=flex, with the temperature
-alignment; model.sinks not a boolean; an unknown model.qk_norm form; a model.qk_norm_eps <= 0; RegularGPT with an attention option; PoPE with base <= 1 and with a
+alignment; model.sinks not a boolean; an unknown model.qk_norm form; a model.qk_norm_eps <= 0; RegularGPT
+with an attention option; PoPE with base <= 1 and with a
 head size it was not built for; selective attention on a scheme with positions from content, with a head
 out of range and under eval.bca; a bench row setting a model field that is not an option, or an unknown +option.
 RULER's synthetic tasks (7): an unknown task, a task that needs a download, a length the task does not
