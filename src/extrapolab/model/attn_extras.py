@@ -65,8 +65,6 @@ OPTIONS = {
 
 #: eps of the QK RMS normalisation by default (Qwen3's ``rms_norm_eps``); ``model.qk_norm_eps`` sets it
 QK_EPS = 1e-6
-#: ``model.qk_norm`` forms: what each normalises over (module doc); true means head, false / "" off
-QK_FORMS = ("head", "all")
 
 
 def qk_form(value, where: str = "model.qk_norm") -> str:
@@ -84,8 +82,8 @@ def qk_form(value, where: str = "model.qk_norm") -> str:
 def check_qk_eps(eps, where: str = "model.qk_norm_eps") -> float:
     """The QK-norm eps as a float > 0 (it keeps the root of a zero vector finite), else one line."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise UserError(f"{where} must be a number > 0 (e.g. 1e-6, as Qwen3; Llama 4 and OLMo 2 use 1e-5), "
-                        f"got {eps!r}")
+        raise UserError(f"{where} must be a number > 0 (e.g. 1e-6, as Qwen3; transformers' Llama 4 and OLMo 2 "
+                        f"default to 1e-5), got {eps!r}")
     return float(eps)
 
 
