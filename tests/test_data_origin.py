@@ -81,3 +81,15 @@ def test_mixed_corpora_is_one_line_naming_each_hash():
     line = P.mixed_corpora([("r1", a), ("r2", b), ("r3", a), ("r4", s)])
     assert "\n" not in line and line.startswith("warning:")
     assert "corpus pydoc has 2 hashes: aaaaaaaaaaaa (r1, r3); bbbbbbbbbbbb (r2)" in line and "stdlib" not in line
+
+
+def test_prepare_prints_the_corpus_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from extrapolab.cli.main import app
+
+    cfg = _corpus(tmp_path, {f"d{i:02d}.txt": f"text {i} " * 20 for i in range(30)})
+    r = CliRunner().invoke(app, ["prepare", "--set", f"data.corpus={cfg.corpus}", "--set", "data.tokenizer=bytes",
+                                 "--set", f"data.cache_dir={cfg.cache_dir}"])
+    assert r.exit_code == 0, r.output
+    assert corpus_line(provenance(prepare(cfg, progress=False))) in r.output.splitlines()
