@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from extrapolab.cli.main import app
+from extrapolab.data import prepare
 from extrapolab.align.algorithm import GRID, load_temperature
 from extrapolab.io import UserError
 from extrapolab.align.experiment import load_align_preset, run_align_experiment
@@ -79,6 +80,10 @@ def test_report_files_and_tables(smoke):
         assert needle in html, needle
     assert html.count("data:image/png;base64,") == 4  # temperature, ppl, two heat maps
     assert (out / "report.md").read_text().count("![](figures/") == 4
+    h = r["data"]["corpus_hash"]  # the corpus it read, the one the prepared data names (data/origin.py)
+    data = prepare(load_align_preset("align-smoke", smoke[1])[0].data, progress=False)
+    assert h == json.loads((data.path / "meta.json").read_text())["corpus_hash"]
+    assert f"corpus {r['config']['data']['corpus']}: sha256 {h[:12]}… of its manifest" in (out / "report.md").read_text()
 
 
 def test_rerun_reuses_training_and_stages(smoke):

@@ -1,6 +1,7 @@
 """The scheme contract (tests/test_schemes_contract.py) with every attention option on (model.sinks, ssmax,
 qk_norm, gate: docs/attention.md, "Model options"), over the whole registry: the paths agree, a prefix equals the
-whole, cached decoding equals the parallel forward; and with sinks and SSMax no path builds an L x L tensor."""
+whole, cached decoding equals the parallel forward; and with sinks and SSMax no path builds an L x L tensor. QK-norm
+takes its two forms in turn over the registry (per head, as true means, and over all heads)."""
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,11 @@ def _model(name, opts, train_length, **extra):
 
 
 def _options_for(name):
-    """Every option, except sinks on a scheme whose weights are not a softmax (refused: test_sinks_ssmax.py)."""
-    return {**ALL, "sinks": not REGISTRY[name].replaces_softmax}
+    """Every option, except sinks on a scheme whose weights are not a softmax (refused: test_sinks_ssmax.py);
+    QK-norm per head (true) on every other registered name, over all heads on the rest."""
+    names = sorted(REGISTRY)
+    all_heads = name in names and names.index(name) % 2 == 1
+    return {**ALL, "sinks": not REGISTRY[name].replaces_softmax, "qk_norm": "all" if all_heads else True}
 
 
 @pytest.mark.parametrize("name,opts", CASES)

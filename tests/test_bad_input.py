@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 141 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 144 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -29,12 +29,14 @@ RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN
 an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
 unreadable factor file, an mscale alone, an unknown option, proportional on a partial-rotary model.
-Attention options and their schemes (12): sinks with stick-breaking, with impl=flex, with the temperature
-alignment; model.sinks not a boolean; RegularGPT with an attention option; PoPE with base <= 1 and with a
+Attention options and their schemes (14): sinks with stick-breaking, with impl=flex, with the temperature
+alignment; model.sinks not a boolean; an unknown model.qk_norm form; a model.qk_norm_eps <= 0; RegularGPT
+with an attention option; PoPE with base <= 1 and with a
 head size it was not built for; selective attention on a scheme with positions from content, with a head
 out of range and under eval.bca; a bench row setting a model field that is not an option, or an unknown +option.
-RULER's synthetic tasks (6): an unknown task, a task that needs a download, a length the task does not
-fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cannot encode text.
+RULER's synthetic tasks (7): an unknown task, a task that needs a download, a length the task does not
+fit in, a damaged cached sample set (checksum, truncated), a tokenizer that cannot encode text, an unknown
+seeding.
 DCA and StreamingLLM's sink tokens (6): a DCA chunk past L_tr, a local window as wide as the chunks,
 sinks plus window past L_tr (schemes); eval.sinks below -1, eval.sinks on a learned-position run; bench --hf
 --sinks without a window.
@@ -692,6 +694,10 @@ def _sinks_case(what: str):
     ("attention sinks with impl=flex", lambda: _sinks_case("flex"), ["does not carry attention sinks", "impl='auto'"]),
     ("attention sinks with the temperature alignment", lambda: _sinks_case("align"), ["align a model without sinks"]),
     ("model.sinks not a boolean", lambda: C.resolve(None, ["model.sinks=maybe"]), ["model.sinks must be true/false"]),
+    ("model.qk_norm an unknown form", lambda: C.resolve(None, ["model.qk_norm=heads"]),
+     ["model.qk_norm must be head", "all (over all heads"]),
+    ("model.qk_norm_eps not > 0", lambda: C.resolve(None, ["model.qk_norm=all", "model.qk_norm_eps=0"]),
+     ["model.qk_norm_eps must be a number > 0", "e.g. 1e-6"]),
     ("RegularGPT with an attention option", lambda: C.resolve(None, ["model.arch=regulargpt", "model.ssmax=true"]),
      ["takes no attention options", "drop model.ssmax"]),
     ("PoPE base <= 1", lambda: build("pope", num_heads=2, base=1.0), ["base must be > 1", "base=10000"]),
@@ -981,6 +987,8 @@ def test_ruler_bad_input_is_one_line(tmp_path):
     bare = TokenData.from_arrays([1, 2], [1], [1], vocab_size=300, eot_id=299)  # ids only, no tokenizer
     raises("RULER: model without a tokenizer", lambda: ruler_samples("fwe", 1024, bare, 1, cache_dir=False),
            "cannot encode text", "RULER needs a real tokenizer")
+    raises("RULER: unknown seeding", lambda: ruler_samples("fwe", 1024, codec, 1, cache_dir=False, seeding="single"),
+           "ruler.seeding must be chunk", "or stream")
 
 
 # ---- the CLI -------------------------------------------------------------------------------------

@@ -140,3 +140,52 @@ def test_picture_check_fails_a_table_without_the_picture():
 
     bad = {"sinusoidal": {64: 90.0, 1024: 92.0}, "alibi": {64: 75.0, 1024: 90.0}, "sandwich": {64: 75.0, 1024: 76.0}}
     assert [ok for _, ok, _ in picture_checks(bad, 64)] == [False, False, False]
+
+
+def test_runs_and_report_name_the_corpus_and_warn_over_two_texts(smoke, tmp_path, capsys):
+    """Every run's summary (summary.json, its results.sqlite row) and the sweep's meta record the corpus hash of
+    the text it read (the sha256 of the manifest of stdlib's documents, read again here) and its source (this
+    interpreter); the report prints it. A resume that finds another text, or runs of two texts in one report,
+    is one warning line, in the report and on the console."""
+    import json
+    import platform
+    import shutil
+
+    from extrapolab.data import manifest_hash, read_corpus
+    from extrapolab.report.build import build_report
+    from extrapolab.report.corpora import record_corpora
+    from extrapolab.report.db import ResultsDB
+    from extrapolab.sweep.spec import load_sweep
+
+    tmp, over, res = smoke
+    out = res["out"]
+    want = manifest_hash(read_corpus("stdlib", 400_000).manifest())  # demo-smoke's data.max_bytes
+    db = ResultsDB(out / "results.sqlite")
+    runs, meta = db.runs(), db.meta()
+    db.close()
+    assert meta["corpora"]["stdlib"]["corpus_hash"] == want
+    assert meta["corpora"]["stdlib"]["source"].startswith(f"{platform.python_implementation()} "
+                                                          f"{platform.python_version()} standard library")
+    assert all(r["summary"]["data"]["corpus_hash"] == want for r in runs)
+    assert json.loads((out / "runs" / runs[0]["run_id"] / "summary.json").read_text())["data"]["corpus_hash"] == want
+    report = (out / "report.md").read_text()
+    assert f"- corpus stdlib: sha256 {want[:12]}… of its manifest, from {platform.python_implementation()}" in report
+    assert "warning:" not in report and f"sha256 {want[:12]}" in (out / "report.html").read_text()
+
+    copy = tmp_path / "resumed"
+    copy.mkdir()
+    shutil.copy(out / "results.sqlite", copy / "results.sqlite")
+    db = ResultsDB(copy / "results.sqlite")
+    other = {**meta["corpora"]["stdlib"], "corpus_hash": "0" * 64, "source": "CPython 3.11.2 standard library"}
+    db.set_meta(corpora={"stdlib": other})  # as if the stored runs had read another host's text
+    base, spec = load_sweep("demo-smoke", over)
+    [line] = record_corpora(db, base, spec.datasets)
+    assert line.startswith("warning: this sweep resumes on corpus stdlib with sha256 " + want[:12])
+    assert "its stored runs measured 000000000000… (CPython 3.11.2 standard library)" in line
+    assert db.meta()["corpora_earlier"] == {"stdlib": [other]} and db.meta()["corpora"]["stdlib"]["corpus_hash"] == want
+    db.close()
+    capsys.readouterr()
+    build_report(copy)
+    mixed = [ln for ln in (copy / "report.md").read_text().splitlines() if "warning:" in ln]
+    assert len(mixed) == 1 and "corpus stdlib has 2 hashes" in mixed[0] and "000000000000 (an earlier invocation" in mixed[0]
+    assert "corpus stdlib has 2 hashes" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from extrapolab import config as C
 from extrapolab import positional
 from extrapolab.align.rope_methods import method_setup, rope_scheme
 from extrapolab.cli.main import app
-from extrapolab.data import prepare
+from extrapolab.data import prepare, provenance
 from extrapolab.eval import eval_lengths, evaluate, nonoverlapping
 from extrapolab.io import UserError
 from extrapolab.train import load_model, train
@@ -138,7 +138,10 @@ def test_lengths_below_l_tr_run_without_it(rotary):
     r = _eval(rotary.run, "--lengths", "8", "--device", "cpu")
     assert r.exit_code == 0, r.output
     assert "lengths 8 only: none exceeds L_tr = 16" in r.stderr
-    assert json.loads((rotary.run / "eval.json").read_text())["lengths"] == [8]
+    res = json.loads((rotary.run / "eval.json").read_text())
+    assert res["lengths"] == [8]
+    assert res["data"] == provenance(rotary.data) and len(res["data"]["corpus_hash"]) == 64  # the text it measured
+    assert f"corpus path:{rotary.root / 'corpus'}: sha256 {res['data']['corpus_hash'][:12]}" in r.stdout
 
 
 def test_hf_eval_below_its_context_runs_no_context_length(tmp_path):

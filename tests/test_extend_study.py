@@ -27,6 +27,7 @@ from extrapolab.cli.main import app  # noqa: E402
 from extrapolab.eval import last_token, nonoverlapping  # noqa: E402
 from extrapolab.hf import open_hf  # noqa: E402
 from extrapolab.hf.data import HFCodec, chat_wrap  # noqa: E402
+from extrapolab.data import manifest_hash, read_corpus  # noqa: E402
 from extrapolab.io import UserError  # noqa: E402
 
 L_CTX = 256
@@ -218,6 +219,9 @@ def test_report_files_and_resume_through_the_cli(smoke):
                    "1x: 3; 2x: 3; 4x: 2", "ratio intervals reach", "Paired comparisons", "passkey retrieved @ 4x"):
         assert needle in md, needle
     assert {row["method"] for row in _rows(out / "e1.csv")} == set(METHODS)
+    for c in smoke[4]:  # each corpus's hash, the sha256 of its manifest (data/origin.py)
+        h = manifest_hash(read_corpus(c).manifest())
+        assert res["results"]["corpora"][c]["corpus_hash"] == h and f"corpus {c}: sha256 {h[:12]}… of its manifest" in md
     r = CliRunner().invoke(app, ["extend", f"hf:{folder}", "--preset", "extend-smoke", "--out", str(out),
                                  *sum((["--set", o] for o in over), [])])
     assert r.exit_code == 0, r.output

@@ -1,6 +1,7 @@
-"""QK-norm and the output gate (model/attn_extras.py): the equations written here, transformers' Qwen3 RMSNorm and
-Qwen3-Next's gated attention as independent references, the order of QK-norm before the rotation, and the
-attention options' one-line errors."""
+"""QK-norm and the output gate (model/attn_extras.py): the equations written here, transformers' Qwen3 RMSNorm,
+Qwen3 and OLMo 2 attention (QK-norm per head and over all heads), Llama 4's L2 norm and Qwen3-Next's gated
+attention as independent references, the order of QK-norm before the rotation, and the attention options'
+one-line errors."""
 import math
 
 import pytest
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 
 from extrapolab import config as C
 from extrapolab.io import UserError
-from extrapolab.model.attn_extras import AttnExtras, rms_normalize
+from extrapolab.model.attn_extras import AttnExtras, qk_form, rms_normalize
+from extrapolab.model.attention import AttnOptions
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.model.regular_lm import RegularLM
 
@@ -101,11 +103,102 @@ def test_qk_norm_and_gate_equal_qwen3_next_gated_attention():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)  # Qwen3NextRMSNorm normalises in fp32
 
 
+def _causal_mask(L):
+    future = torch.ones(L, L, dtype=torch.bool).triu(1)  # [L, L]
+    return torch.zeros(1, 1, L, L, dtype=torch.float64).masked_fill(future, -math.inf)  # [1, 1, L, L]
+
+
+def _hf_attention_out(blk, ref, L=13):
+    """Our block's attention (NoPE, MLP off) and transformers' attention module ``ref`` on the same q, k, v, o
+    weights and biases, the rotation turned off (cos = 1, sin = 0): (ours, theirs), each [2, L, DIM]."""
+    with torch.no_grad():
+        blk.mlp[2].weight.zero_()
+        blk.mlp[2].bias.zero_()
+        for proj, w, b in zip((ref.q_proj, ref.k_proj, ref.v_proj), blk.qkv.weight.view(3, DIM, DIM),
+                              blk.qkv.bias.view(3, DIM)):
+            proj.weight.copy_(w)
+            proj.bias.copy_(b)
+        ref.o_proj.weight.copy_(blk.proj.weight)
+        ref.o_proj.bias.copy_(blk.proj.bias)
+        ref.q_norm.weight.copy_(blk.extras.q_norm)
+        ref.k_norm.weight.copy_(blk.extras.k_norm)
+    x = torch.randn(2, L, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = blk(x, torch.arange(L), _model().scheme, AttnOptions())[0] - x
+    rot = (torch.ones(1, L, D, dtype=torch.float64), torch.zeros(1, L, D, dtype=torch.float64))
+    return got, ref(blk.ln1(x), rot, _causal_mask(L))[0]
+
+
+def test_qk_norm_all_equals_olmo2_attention_and_head_equals_qwen3_attention():
+    """model.qk_norm=all is OLMo 2's QK-norm (transformers' Olmo2Attention: Olmo2RMSNorm over the whole H·D
+    projection, before the head split), model.qk_norm=head (and true) Qwen3's (Qwen3Attention: Qwen3RMSNorm over
+    each head's D), each with its eps as model.qk_norm_eps (1e-5 here, transformers' OLMo 2 default; 1e-6 for
+    Qwen3), on the same weights; the two forms give different outputs."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from transformers.models.olmo2.configuration_olmo2 import Olmo2Config
+    from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+
+    outs = {}
+    for form, mod, cfg, eps in (
+            ("all", olmo2.Olmo2Attention, Olmo2Config, 1e-5), ("head", qwen3.Qwen3Attention, Qwen3Config, 1e-6),
+            (True, qwen3.Qwen3Attention, Qwen3Config, 1e-6)):
+        hf = cfg(hidden_size=DIM, num_attention_heads=H, num_key_value_heads=H, head_dim=D, attention_bias=True,
+                 rms_norm_eps=eps, num_hidden_layers=1)
+        hf._attn_implementation = "eager"
+        ref = mod(hf, 0).double().eval()
+        blk = _model("none", qk_norm=form, qk_norm_eps=eps).blocks[0]
+        assert blk.extras.q_norm.shape == ref.q_norm.weight.shape == ((DIM,) if form == "all" else (D,))
+        got, want = _hf_attention_out(blk, ref)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)  # transformers normalises in fp32
+        outs[form] = got
+    torch.testing.assert_close(outs["head"], outs[True], rtol=0, atol=0)  # true is head
+    assert (outs["all"] - outs["head"]).abs().max() > 1e-3  # the two forms are different models
+
+
+def test_qk_norm_eps_is_the_field_and_head_at_unit_scales_is_llama4_l2_norm():
+    """model.qk_norm_eps is the eps the norm adds: with w = 1 the head form is transformers' Llama4TextL2Norm
+    (eps 1e-5, no weight) on q of an RMS near sqrt(eps), where the eps moves the result; Llama 4 applies it after
+    the rotation, we before: without a w the two orders agree (a rotation keeps each head's norm)."""
+    llama4 = pytest.importorskip("transformers.models.llama4.modeling_llama4")
+    q = torch.randn(2, H, 9, D, dtype=torch.float64) * 3e-3  # mean(q²) ~ 1e-5: eps matters
+    k = torch.randn(2, H, 9, D, dtype=torch.float64) * 3e-3
+    ex = AttnExtras(heads=H, head_dim=D, dim=DIM, train_length=16, qk_norm="head", qk_eps=1e-5).double()
+    ref = llama4.Llama4TextL2Norm(1e-5)
+    got = ex.normalize(q, k)
+    torch.testing.assert_close(got[0], ref(q), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], ref(k), rtol=1e-6, atol=1e-7)
+    other = AttnExtras(heads=H, head_dim=D, dim=DIM, train_length=16, qk_norm="head").double()  # eps 1e-6
+    assert (other.normalize(q, k)[0] - got[0]).abs().max() > 0.1
+    rotary = _model("rotary").scheme
+    pos = torch.arange(9)
+    before = rotary.rotate(*got, pos, pos)
+    after = [ref(x) for x in rotary.rotate(q, k, pos, pos)]
+    torch.testing.assert_close(before[0], after[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(before[1], after[1], rtol=1e-6, atol=1e-7)
+
+
+def test_qk_norm_forms_read_from_the_config():
+    """false / off / "" are off, true and head per head, all over all heads; anything else one line."""
+    assert [qk_form(v) for v in (False, None, "", "off", "false", True, "true", "head", "all", "ALL")] == \
+        ["", "", "", "", "", "head", "head", "head", "all", "all"]
+    assert C.resolve(overrides=["model.qk_norm=all", "model.qk_norm_eps=1e-5"]).model.qk_norm == "all"
+    with pytest.raises(C.ConfigError, match="head .* all") as e:
+        C.resolve(overrides=["model.qk_norm=heads"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(C.ConfigError, match="qk_norm_eps must be a number > 0") as e:
+        C.resolve(overrides=["model.qk_norm=head", "model.qk_norm_eps=-1e-6"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="model.qk_norm"):
+        AttnExtras(heads=H, head_dim=D, dim=DIM, train_length=16, qk_norm="both")
+
+
 def test_options_off_add_no_parameters_and_on_add_theirs():
     base = sum(p.numel() for p in _model().parameters())
     adds = {"sinks": H, "ssmax": H, "qk_norm": 2 * D, "gate": DIM * DIM}
     for name, n in adds.items():
         assert sum(p.numel() for p in _model(**{name: True}).parameters()) == base + n, name
+    assert sum(p.numel() for p in _model(qk_norm="all").parameters()) == base + 2 * DIM  # w over all heads
+    assert sum(p.numel() for p in _model(qk_norm="off").parameters()) == base
     ex = AttnExtras(heads=H, head_dim=D, dim=DIM, train_length=512, ssmax=True)
     torch.testing.assert_close(ex.ssmax, torch.full((H,), 1 / math.log(512)))  # softmax at L_tr at the start
 

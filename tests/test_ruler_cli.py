@@ -13,6 +13,7 @@ from ruler_tiny import essay_text, save_llama  # noqa: E402
 
 from extrapolab import config as C  # noqa: E402
 from extrapolab.cli.main import app  # noqa: E402
+from extrapolab.tasks.ruler.text import essay_haystack  # noqa: E402
 
 TASKS = "niah_single_1,niah_single_2,vt,fwe"
 
@@ -52,6 +53,10 @@ def test_hf_model_end_to_end_resume_and_damaged_cell(env, tmp_path):
     assert {r["task"] for r in res["summary"]["depth"]} <= {"niah_single_1", "niah_single_2", "vt"}
     md = (out / "report.md").read_text()
     assert "RULER score" in md and "Teacher-forced" in md and "| **average** |" in md and "wall time" in md
+    assert "(sample i drawn with seed 42 + i, RULER's --chunk_amount 2)" in md  # the seeding the report names
+    words, ident = essay_haystack(env["root"] / "essay.txt")
+    assert res["essay_text"]["words"] == len(words) == len(essay_text().split())  # which text the haystack was
+    assert f"{len(words):,} words, sha256 {ident.rsplit(':', 1)[1]}… of the text" in md
     rows = (out / "ruler.csv").read_text().splitlines()
     assert rows[0].startswith("task,length,depth,n,score,tf_exact") and len(rows) > 1 + 8
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "cells").iterdir()}
@@ -97,6 +102,7 @@ def test_extrapolab_checkpoint_teacher_forced(env, tmp_path):
      "length 300 is too short for RULER task niah_single_1"),
     ("QA needs a download", ["--tasks", "qa_2"], "needs a QA data set download"),
     ("bad metrics", ["--metrics", "fast"], "--metrics takes auto, both, greedy, teacher"),
+    ("bad seeding", ["--seeding", "single"], "--seeding takes chunk"),
 ])
 def test_bad_input_one_line_nothing_written(env, tmp_path, case, extra, needle):
     out = tmp_path / "out"
@@ -144,3 +150,22 @@ def test_not_a_model(tmp_path):
     r = _run(["ruler", tmp_path, "--tasks", "fwe"])
     assert r.exit_code == 2 and "neither hf:PATH nor a run folder" in r.output
 
+
+
+def test_stream_seeding_through_the_verb(env, tmp_path):
+    """--seeding stream generates RULER's default single-stream set (tasks/ruler/samples.py), cached apart from
+    the per-sample set."""
+    from extrapolab.tasks.ruler import ruler_samples
+
+    cache = tmp_path / "cache"
+    base = ["ruler", f"hf:{env['llama']}", "--tasks", "fwe", "--lengths", "1024", "--n", "2", "--prepare",
+            "--device", "cpu", "--set", f"data.cache_dir={cache}"]
+    assert _run([*base, "--seeding", "stream"]).exit_code == 0
+    assert _run(base).exit_code == 0
+    files = sorted((cache / "ruler").glob("fwe-1024-n2-s42-*.json"))
+    sets = {json.loads(f.read_text())["identity"].get("seeding", "chunk"): json.loads(f.read_text())["samples"]
+            for f in files}
+    assert set(sets) == {"chunk", "stream"}
+    tok = transformers.AutoTokenizer.from_pretrained(env["llama"])
+    assert sets["stream"] == ruler_samples("fwe", 1024, tok, 2, chat="auto", cache_dir=False, seeding="stream")
+    assert sets["stream"][0] == sets["chunk"][0] and sets["stream"][1] != sets["chunk"][1]

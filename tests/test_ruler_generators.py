@@ -6,7 +6,12 @@ with --num_samples 1 and --random_seed 42 / 43 (= sample 0 / 1 here), with this 
 (ruler_tiny.ruler_tokenizer, saved with save_pretrained, --tokenizer_type hf), the template of
 synthetic.yaml + constants.py (model template "base"), PaulGrahamEssays.json replaced by
 ruler_tiny.essay_text() and nltk's sent_tokenize by our regex splitter (the only two substitutions):
-sha256 of input + answer_prefix (first 16 hex digits), outputs, length.
+sha256 of input + answer_prefix (first 16 hex digits), outputs, length. That is prepare.py's
+``--chunk_amount 2`` (chunk i seeded 42 + i), our default seeding.
+
+STREAM holds samples 1 and 2 of what prepare.py writes with --num_samples 3 and its default
+--chunk_amount 1 (one stream seeded 42, one search; sample 0 is REFERENCE's seed-42 sample), under the
+same substitutions: ``seeding="stream"``.
 """
 import hashlib
 import random
@@ -49,6 +54,29 @@ REFERENCE = {
             ("22534b649de9a826", ["ejqinn", "xypgub", "vjzjlj"], 1853)],
 }
 
+STREAM = {
+    "niah_single_1": [("cddd6ef2d41de913", ["7374122"], 2038), ("12ec4781df04eacc", ["5437923"], 2038)],
+    "niah_single_2": [("8f9420c1f5401af9", ["7067228"], 2048), ("82e39fe114521058", ["2166941"], 2042)],
+    "niah_single_3": [("390a86e7e72f5797", ["c6a7ee39-c4b0-42cc-97c5-24a55304317f"], 2031),
+                      ("d933b09aebf7d16a", ["366eb16f-508e-4ad7-b7c9-3acfe059a0ee"], 1342)],
+    "niah_multikey_1": [("919cc94df018fbeb", ["5672073"], 1362), ("5ce3705fd73f5134", ["2626229"], 2043)],
+    "niah_multikey_2": [("652ae7f20c761007", ["7232293"], 2004), ("28958b0359a8f8b3", ["2919549"], 2032)],
+    "niah_multikey_3": [("ceb32dcfe760cf19", ["9918ee46-1497-4658-b010-f7197e695d0d"], 1975),
+                        ("155a5bb7b13642c3", ["3d225c30-b28f-41de-bb14-0bc3304b8590"], 1985)],
+    "niah_multivalue": [("e5ca8676128e7b70", ["8973915", "3770370", "5446912", "9852897"], 1366),
+                        ("b59490c8120e1c7b", ["6229731", "7693979", "7264956", "8350099"], 2042)],
+    "niah_multiquery": [("332a957052f8f02c", ["2642635", "4965789", "8434500", "1247595"], 1371),
+                        ("3808e067cffe64bf", ["1036161", "5785687", "9164991", "5449368"], 2031)],
+    "vt": [("2aa28ba04f6b7441", ["WYKTO", "PFFLA", "IRKEM", "DQAKO", "AQDMB"], 1922),
+           ("d1003ce83edd31de", ["SLTZH", "VNMLT", "GWVCW", "GMPJA", "WEFUI"], 1919)],
+    "cwe": [("f5de9b3211c5478c", ["muscle", "vodka", "doctor", "depressed", "broadcast", "creative", "play",
+                                  "teammate", "pelt", "tasteless"], 2029),
+            ("dee5b59e4dda99ea", ["trachoma", "lunch", "clan", "albatross", "allowance", "compass", "dredger",
+                                  "displacement", "prisoner", "rid"], 2047)],
+    "fwe": [("820d58c1f3371a5e", ["vkbqbd", "csmtrq", "jawefu"], 1909),
+            ("e3fa1138e2662524", ["vbehto", "cqwlsx", "hyvoli"], 1874)],
+}
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -72,6 +100,20 @@ def test_samples_equal_ruler_scripts(sets, task):
     for s, (digest, outputs, length) in zip(sets[task], REFERENCE[task]):
         assert hashlib.sha256((s["input"] + s["answer_prefix"]).encode()).hexdigest()[:16] == digest
         assert s["outputs"] == outputs and s["tokens"] == length
+
+
+def test_stream_seeding_equals_ruler_scripts_default_single_stream(sets, tok, essay):
+    """seeding="stream" is RULER's default (--chunk_amount 1): sample 0 as the per-sample seeding's, then the
+    stream's next draws at the size searched once, byte for byte; the per-sample set differs from sample 1 on."""
+    for task in TASKS:
+        got = ruler_samples(task, 2048, tok, 3, cache_dir=False, essay=essay, seeding="stream")
+        assert got[0] == sets[task][0]
+        for s, (digest, outputs, length) in zip(got[1:], STREAM[task]):
+            assert hashlib.sha256((s["input"] + s["answer_prefix"]).encode()).hexdigest()[:16] == digest, task
+            assert s["outputs"] == outputs and s["tokens"] == length
+        assert got[1]["input"] != sets[task][1]["input"]
+    with pytest.raises(UserError, match="seeding must be chunk .* or stream"):
+        ruler_samples("vt", 2048, tok, 1, cache_dir=False, seeding="single")
 
 
 def test_lengths_counted_in_model_tokens_with_tokens_to_generate(sets, tok):

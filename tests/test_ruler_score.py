@@ -110,7 +110,8 @@ def test_cached_greedy_and_teacher_forcing_equal_full_forwards_gpt():
         logits = model(torch.tensor([s["ids"] + tgt[:-1]]))[0, -len(tgt):]  # [k, V]
         lp = torch.log_softmax(logits.float(), -1)[torch.arange(len(tgt)), torch.tensor(tgt)]
     assert rec["tf_logprob"] == pytest.approx(float(lp.sum()), abs=2e-3)
-    assert rec["score"] == round(100 * sum(o.lower() in rec["pred"].lower() for o in s["outputs"]) / 3, 2)
+    hits = sum(o.lower() in rec["pred"].lower() for o in s["outputs"])
+    assert rec["match"] == hits / 3 and rec["score"] == 100 * hits / 3  # unrounded: rounded at the average
 
 
 def test_teacher_only_records_have_no_greedy_fields(llama):
@@ -125,3 +126,48 @@ def test_target_holds_every_reference(tmp_path):
     for task in ("niah_multivalue", "vt", "cwe"):
         s = ruler_samples(task, 2048, tok, 1, cache_dir=False, essay=tmp_path / "essay.txt")[0]
         assert all(o in s["target"] for o in s["outputs"])
+
+
+def _ruler_string_match_all(preds, refs):
+    """NVIDIA/RULER scripts/eval/synthetic/constants.py at c3f5e3b, as written there."""
+    score = sum([sum([1.0 if r.lower() in pred.lower() else 0.0 for r in ref]) / len(ref)
+                 for pred, ref in zip(preds, refs)]) / len(preds) * 100
+    return round(score, 2)
+
+
+def test_task_score_is_rounded_once_at_the_average_as_ruler():
+    """RULER rounds a task's score once, at its average: fwe (3 references) with 0 and 1 of 3 found is 16.67,
+    where rounding each sample to 2 places first (0, 33.33) would give 16.66; so for every mix of terms here."""
+    from itertools import combinations_with_replacement
+
+    from extrapolab.tasks.ruler.report import cell_summary, summarize
+
+    refs = ["abcdef", "ghijkl", "mnopqr"]
+    preds = {0: "none", 1: "abcdef", 2: "abcdef ghijkl", 3: "abcdef ghijkl mnopqr"}
+    differ = 0
+    for n in (2, 3, 4, 5):
+        for hits in combinations_with_replacement(range(4), n):
+            ps = [preds[h] for h in hits]
+            want = _ruler_string_match_all(ps, [refs] * n)
+            assert string_match_all(ps, [refs] * n) == want
+            recs = [{"task": "fwe", "length": 64, "index": i, "pred": p, "match": h / 3, "score": 100 * h / 3}
+                    for i, (p, h) in enumerate(zip(ps, hits))]
+            assert cell_summary(recs)["score"] == want
+            assert summarize(recs, ["fwe"], [64])["cells"]["fwe"][64]["score"] == want
+            differ += round(sum(round(100 * h / 3, 2) for h in hits) / n, 2) != want
+    assert cell_summary([{"match": 0.0}, {"match": 1 / 3}])["score"] == 16.67
+    assert differ > 10  # the per-sample rounding this replaces was off in these cells
+
+
+def test_cells_scored_before_the_terms_were_kept_get_them_back():
+    """A stored cell whose records carry a per-sample score rounded to 2 places (and no ``match``) is summed
+    from terms recomputed from its greedy outputs, so it too is rounded once."""
+    from extrapolab.tasks.ruler.report import cell_summary
+    from extrapolab.tasks.ruler.score import add_terms
+
+    samples = [{"task": "fwe", "outputs": ["abcdef", "ghijkl", "mnopqr"]}] * 2
+    old = [{"task": "fwe", "length": 64, "index": 0, "pred": "-", "score": 0.0},
+           {"task": "fwe", "length": 64, "index": 1, "pred": "ABCDEF", "score": 33.33}]
+    assert cell_summary(old)["score"] == 16.66  # what the per-sample rounding gave
+    assert cell_summary(add_terms(old, samples))["score"] == 16.67
+    assert old[1]["match"] == 1 / 3

@@ -162,3 +162,29 @@ def test_rolling_cache_equals_one_parallel_forward_with_rope_streaming(folders):
     assert _open(folders["llama"], rope="streaming").loaded.info["rope_extension"]["w"] == MAXPOS - 4
     with pytest.raises(UserError, match="k \\+ w <= L_tr"):
         _open(folders["llama"], rope=f"streaming:4,{MAXPOS}")
+
+
+def test_bos_is_one_of_the_parallel_sinks_and_kept_beside_the_cached_ones(folders, tmp_path):
+    """With a tokenizer that starts every text with BOS (StreamingLLM's Llama: its start_size counts the BOS),
+    the cached window keeps BOS + eval.sinks tokens, and --rope streaming:K,W counts BOS among its K: the cache
+    with k sinks equals one forward with streaming:k+1,W, not streaming:k,W (the mapping in docs/protocols.md)."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "bos"
+    shutil.copytree(folders["llama"], folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    tok.save_pretrained(folder)
+    m = _open(folder)
+    assert m.prefix == [0]
+    x = torch.from_numpy(np.asarray(tok(TEXT * 4, add_special_tokens=False)["input_ids"][:45], dtype=np.int64))[None]
+    cache = m.new_cache(7, 2)
+    with torch.no_grad():
+        got = torch.cat([m(x[:, :9], cache=cache)] + [m(x[:, t:t + 1], cache=cache) for t in range(9, 45)], 1)
+        plus_bos, without = _open(folder, rope="streaming:3,7")(x), _open(folder, rope="streaming:2,7")(x)
+    assert cache.keep == 3 and (got - plus_bos).abs().max() < 2e-5
+    assert (got - without).abs().max() > 1e-3

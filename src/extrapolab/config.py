@@ -282,6 +282,7 @@ def regular_scheme(cfg: RunConfig, overrides: list[str] | None = None) -> None:
 
 def validate(cfg: RunConfig) -> None:
     """Cheap checks before any data is prepared or a model trained (one-line errors)."""
+    from .model.attn_extras import check_qk_eps, qk_form
     from .model.gpt import build_scheme
     from .model.regular_lm import check_attention_options, check_depth
 
@@ -298,6 +299,8 @@ def validate(cfg: RunConfig) -> None:
                           "e.g. --set model.C=8 --set model.K=1")
     try:
         check_depth(m.depth)
+        qk_form(m.qk_norm)
+        check_qk_eps(m.qk_norm_eps)
         check_attention_options(m)
     except UserError as e:
         raise ConfigError(str(e)) from None

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .. import config as C
-from ..data import TokenData, prepare
+from ..data import TokenData, prepare, provenance
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
@@ -266,7 +266,7 @@ def run_align_experiment(preset: str, out: Path | None = None, overrides: list[s
     results = {"preset": str(preset), "budget": spec.budget, "spec": dataclasses.asdict(spec),
                "config": cfg.to_dict(), "train": summary, "mixture": sizes, "align": res, "taus": taus,
                "task_taus": task_taus, "ppl": ppl, "retrieval": retrieval, "wall_s": wall, "train_wall_s": train_wall,
-               "stage_seconds": stages.seconds}
+               "stage_seconds": stages.seconds, "data": provenance(data)}  # which text of the corpus
     atomic_write_json(out / "results.json", results)
     report = write_report(out, results)
     say(f"report: {report} (wall time {wall:.0f} s)")

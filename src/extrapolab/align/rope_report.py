@@ -19,6 +19,7 @@ import numpy as np
 
 from ..analysis.common import new_figure, save_figure
 from ..analysis.erf import plot_erf
+from ..data.origin import corpus_line
 from ..io import atomic_write_text
 from ..positional.rotary_yarn import yarn_attention_factor
 from ..report.html import StudyReport
@@ -168,9 +169,11 @@ def write_rope_report(out: Path, results: dict) -> Path:
         f"| training | {s.get('steps')} steps x {tc['batch_size']} x {L_tr} tokens, lr {tc['lr']}, valid ppl "
         f"{_num(s.get('final_valid_ppl'), '.3f')} |"]) + "\n")
     stage = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("stage_seconds", {}).items())
+    corpus = html.escape(corpus_line(results.get("data"), results["config"]["data"]["corpus"]))  # hosts' texts differ
     note = (f"Preset <b>{html.escape(results['preset'])}</b> — {html.escape(results.get('budget') or '')}. "
             f"Wall time {results['wall_s']:.0f} s (training {results['train_wall_s']:.0f} s this invocation; stages: "
-            f"{html.escape(stage)}). Static methods use s = L_ex / L_tr at each length. Generated "
+            f"{html.escape(stage)}). {corpus}"
+            ". Static methods use s = L_ex / L_tr at each length. Generated "
             f"{dt.datetime.now().isoformat(timespec='seconds')} on {html.escape(platform.platform())}; every number is "
             "in <code>results.json</code>.")
     return report.write(f"RoPE extension vs temperature alignment: {results['config']['name']}", note)

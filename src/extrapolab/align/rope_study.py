@@ -24,7 +24,7 @@ the two-pass methods (positional/rope_twopass.py, ``default_settings``): ``selfe
 2024; w = L_tr/4, the smallest G whose (L_tr - w)·G + w covers L, so G = 1 = plain RoPE at L_tr;
 the cell records that maximum length), ``rerope`` and ``rerope-leaky`` (Su 2023; w = L_tr/8, k = 16,
 with log-n scaling as in the ReRoPE patches); ``dca`` dual chunk attention (An et al. 2024; C = 3/4·L_tr,
-w = C/6, as ChunkLlama); ``streaming`` StreamingLLM's 4 sinks + a window of L_tr - 4 (Xiao et al. 2024,
+w = C/6, as ChunkLlama; without its Hugging Face patch's q, k scaling beyond L_tr, as vLLM's DCA); ``streaming`` StreamingLLM's 4 sinks + a window of L_tr - 4 (Xiao et al. 2024,
 positional/rotary_streaming.py); ``logn`` plain RoPE with log-n scaling of q.
 Every stage is stored as JSON keyed by the trained model and its settings, so a run resumes.
 """
@@ -40,6 +40,7 @@ import torch
 
 from .. import config as C
 from ..analysis.erf import measure_erf
+from ..data import provenance
 from ..eval.perplexity import nonoverlapping
 from ..io import UserError, atomic_write_json
 from ..model.attention import AttnOptions
@@ -147,7 +148,8 @@ def run_rope_study(preset: str, out: Path | None = None, overrides: list[str] | 
     results = {"preset": str(preset), "budget": spec.budget, "spec": dataclasses.asdict(spec),
                "config": cfg.to_dict(), "train": summary, "mixture": sizes, "align": res,
                "taus": {r: {str(L): v for L, v in row.items()} for r, row in taus.items()}, "methods": methods,
-               "wall_s": wall, "train_wall_s": train_wall, "stage_seconds": stages.seconds}
+               "wall_s": wall, "train_wall_s": train_wall, "stage_seconds": stages.seconds,
+               "data": provenance(data)}  # which text of the corpus (data/origin.py)
     atomic_write_json(out / "results.json", results)
     report = write_rope_report(out, results)
     say(f"report: {report} (wall time {wall:.0f} s)")

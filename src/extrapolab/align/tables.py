@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.origin import corpus_line
 from ..io import atomic_write_text
 from ..report.html import StudyReport
 from ..report.plots import plot_ppl_vs_length
@@ -175,9 +176,11 @@ def write_report(out: Path, results: dict) -> Path:
             [heat], "<p>CSV (all tasks, per cell): <code>retrieval.csv</code>.</p>")
     add("Trained model", _training_md(results))
     stage = ", ".join(f"{k} {v:.0f} s" for k, v in results.get("stage_seconds", {}).items())
+    corpus = html.escape(corpus_line(results.get("data"), results["config"]["data"]["corpus"]))  # hosts' texts differ
     note = (f"Preset <b>{html.escape(results['preset'])}</b> — budget: {html.escape(results.get('budget') or '')}. "
             f"Wall time {results['wall_s']:.0f} s (training {results['train_wall_s']:.0f} s this invocation; "
-            f"stages: {html.escape(stage)}). Generated {dt.datetime.now().isoformat(timespec='seconds')} on "
+            f"stages: {html.escape(stage)}). {corpus}"
+            f". Generated {dt.datetime.now().isoformat(timespec='seconds')} on "
             f"{html.escape(platform.platform())}. τ per length is stored in <code>run/temperature.json</code> "
             "(<code>extrapolab eval RUN --temperature auto</code>); every number is in <code>results.json</code>.")
     return report.write(f"Softmax-temperature alignment: {results['config']['name']}", note)

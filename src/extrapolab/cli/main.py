@@ -60,12 +60,14 @@ def prepare(
 ):
     """Build (or reuse) the tokenized, split, memory-mapped corpus from data.* settings."""
     from .. import config
+    from ..data import corpus_line, provenance
     from ..data import prepare as prepare_data
 
     cfg = config.resolve(preset, set_)
     data = prepare_data(cfg.data, progress=True)
     m = data.meta
     typer.echo(f"prepared {m.get('corpus')} at {data.path}")
+    typer.echo(corpus_line(provenance(data), m.get("corpus")))  # its hash and source: hosts' packages differ
     typer.echo(json.dumps({k: m[k] for k in m if k in ("tokens", "documents", "vocab_size", "tokenizer")}, default=str))
 
 

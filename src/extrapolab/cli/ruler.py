@@ -20,7 +20,10 @@ def ruler(
     lengths: Optional[str] = typer.Option(None, "--lengths", help="comma-separated lengths in tokens (the "
                                           "prompt plus tokens_to_generate), e.g. 4096,8192,16384,32768"),
     n: Optional[int] = typer.Option(None, "--n", help="samples per task and length (default 5)"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="sample i is RULER's draw with seed + i (default 42)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="RULER's --random_seed (default 42)"),
+    seeding: Optional[str] = typer.Option(None, "--seeding", help="chunk (default: sample i seeded seed + i, as "
+                                          "RULER's prepare.py --chunk_amount N) | stream (RULER's default: one "
+                                          "stream seeded seed)"),
     chat: Optional[str] = typer.Option(None, "--chat", help="auto | on | off: the tokenizer's chat template around "
                                        "each prompt (default auto: where the tokenizer has one)"),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="auto | both | greedy | teacher (auto: both "
@@ -42,13 +45,13 @@ def ruler(
     from ..tasks.ruler import run_ruler
 
     given = [("--preset", preset), ("--tasks", tasks), ("--lengths", lengths), ("--n", n), ("--seed", seed),
-             ("--chat", chat), ("--metrics", metrics), ("--rope", rope), ("--train-length", train_length),
+             ("--seeding", seeding), ("--chat", chat), ("--metrics", metrics), ("--rope", rope), ("--train-length", train_length),
              ("--out", out), ("--prepare", "" if prepare else None), *[("--set", s) for s in set_ or []],
              ("--checkpoint", which if which != "best" else None), ("--device", device if device != "auto" else None),
              ("--dtype", dtype if dtype != "auto" else None)]
     command = " ".join(["extrapolab ruler", model] + [f"{k} {v}".rstrip() for k, v in given if v is not None])
     res = run_ruler(model, preset=preset, overrides=set_, tasks=tasks, lengths=lengths.split(",") if lengths else None,
-                    n=n, seed=seed, chat=chat, metrics=metrics, rope=rope, train_length=train_length, out=out,
+                    n=n, seed=seed, chat=chat, metrics=metrics, seeding=seeding, rope=rope, train_length=train_length, out=out,
                     which=which, device=device, dtype=dtype, command=command, prepare_only=prepare,
                     say=lambda m: typer.echo(m, err=True))
     typer.echo(res["markdown"])

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..io import LockBusy, UserError, atomic_path, atomic_write_json, file_lock
 from .corpus import SPLITS, Corpus, assign_splits, manifest_hash, read_corpus
+from .origin import corpus_source
 from .store import DATA_FORMAT, TokenData, dtype_for, load
 from .tokenizer import TOKENIZER_VERSION, BytesCodec, check_settings, get_bpe
 
@@ -182,6 +183,7 @@ def _build(cfg, corpus: Corpus, manifest: list[dict], chash: str, folder: Path, 
             "corpus_root": corpus.root,
             "corpus_hash": chash,
             "manifest_hash": chash,
+            "corpus_source": corpus_source(cfg.corpus, corpus.root),  # the package or interpreter it came from
             "max_bytes": cfg.max_bytes,
             "skipped": corpus.skipped,
             "vocab_size": codec.vocab_size,

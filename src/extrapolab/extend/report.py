@@ -12,6 +12,7 @@ import datetime as dt
 import html
 from pathlib import Path
 
+from ..data.origin import NOT_RECORDED, corpus_line
 from ..io import atomic_write_text
 from ..report.html import StudyReport
 from .figures import label, plot_e1, plot_erf_curves, plot_passkey, plot_positionwise
@@ -92,6 +93,8 @@ def write_extend_report(out: Path, results: dict) -> Path:
             f"as each was measured when computed (see Cost), on {html.escape(h['platform'])}, {h['cpus']} CPUs, "
             f"{h['torch_threads']} torch "
             f"threads, load average {h['load_avg'][0]:.1f} at the start and {h['load_avg_end'][0]:.1f} at the end. "
-            "Static methods use s = L / L_ctx; identical cells ran once (see extend/cells.py). Generated "
+            "Static methods use s = L / L_ctx; identical cells ran once (see extend/cells.py). "
+            + "".join(f"{html.escape(corpus_line(p, c))}. " for c, p in (results.get("corpora") or {}).items())
+            + ("" if "corpora" in results else f"{NOT_RECORDED}. ") + "Generated "
             f"{dt.datetime.now().isoformat(timespec='seconds')}; every number is in <code>results.json</code>.")
     return report.write(title, note)

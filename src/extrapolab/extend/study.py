@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from .. import config as C
+from ..data.origin import corpus_provenance
 from ..io import UserError, atomic_write_json
 from ..report.stages import Stages, sayer
 from .cells import ALIGNED, Models, erf_record, niah_records, passkey_records, score_cell, setting, spaced, window_ends
@@ -187,7 +188,9 @@ def run_extend_study(model: str, preset: str = "extend-quick", out: Path | None 
                "spec": dataclasses.asdict(spec), "config": cfg.to_dict(), "model": block, "key": key,
                "L_ctx": L_ctx, "lengths": plan.lengths_table(), "ends": {c: e.tolist() for c, e in ends.items()},
                "chat": chat is not None, **plan.to_dict(), "stage_seconds": stages.seconds, "wall_s": wall,
-               "model_loads": models.loads, "host": at_start}
+               "model_loads": models.loads, "host": at_start,
+               "corpora": {c: corpus_provenance(dataclasses.replace(cfg.data, corpus=c))  # which texts (hosts differ)
+                           for c in spec.corpora}}
     atomic_write_json(out / "results.json", results)
     report = write_extend_report(out, results)
     say(f"report: {report} (wall time {wall:.0f} s)")

@@ -37,7 +37,8 @@ The extensions HF has no rope type for run in transformers' attention-function r
 (:mod:`.extend`): ``selfextend:G,w`` (Self-Extend, Jin et al. 2024; w defaults to L_tr/4),
 ``rerope:w`` and ``rerope-leaky:w,k`` (ReRoPE, Su 2023; w defaults to L_tr/8, k to 16),
 ``dca:C,w`` (dual chunk attention, An et al. 2024: largest query position C, default 3/4·L_tr, local
-window w, default C/6, as ChunkLlama), ``streaming:K,W`` (StreamingLLM's pattern, Xiao et al. 2024:
+window w, default C/6, as ChunkLlama; without the q, k scaling by 0.05 ln(L/L_tr) + 1 of its Hugging Face
+patch, as vLLM's DCA: positional/rotary_dca.py), ``streaming:K,W`` (StreamingLLM's pattern, Xiao et al. 2024:
 K attention sinks, default 4, and a window of W keys, default L_tr - K) and ``logn`` (q x max(1,
 log(m+1)/log L_tr); ``logn:L`` names L_tr). Parts combine with ``+``: at most one rewrite, one
 multi-pass method and ``logn``, e.g. ``--rope rerope:512+logn`` (the ReRoPE patch) or ``--rope

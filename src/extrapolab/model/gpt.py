@@ -61,8 +61,11 @@ class ModelConfig:
     sinks: bool = False
     #: SSMax (Nakanishi 2025): logits times s_h·log n (n = keys seen), s learned per layer and head
     ssmax: bool = False
-    #: QK-norm: q and k RMS-normalised per head with learned scales, before the scheme rotates them
-    qk_norm: bool = False
+    #: QK-norm: q and k RMS-normalised with learned scales, before the scheme rotates them: "head" (per head, as
+    #: Qwen3 / Gemma 3; true means head), "all" (over all heads jointly, as OLMo 2), false = off
+    qk_norm: bool | str = False
+    #: the QK-norm's eps (1e-6 as Qwen3; Llama 4 and OLMo 2's transformers configs default to 1e-5)
+    qk_norm_eps: float = 1e-6
     #: output gate (Qiu et al. 2025): the attention output times σ(x W) per head and dimension
     gate: bool = False
     #: layer types (docs/attention.md, "Layer types"): one type name per layer, or a pattern repeated
@@ -144,7 +147,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.extras = AttnExtras(heads=cfg.heads, head_dim=cfg.dim // cfg.heads, dim=cfg.dim,
                                  train_length=cfg.train_length, sinks=cfg.sinks, ssmax=cfg.ssmax,
-                                 qk_norm=cfg.qk_norm, gate=cfg.gate)
+                                 qk_norm=cfg.qk_norm, gate=cfg.gate, qk_eps=cfg.qk_norm_eps)
 
     def forward(self, x, pos, scheme, opts, bias=None, cache: KVCache | None = None):
         B, L, C = x.shape

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from ..io import UserError
 from ..positional.sliding_dilated import SlidingDilated, num_levels
 from .attention import AttnOptions
+from .attn_extras import qk_form
 from .gpt import GPT, Block, ModelConfig
 
 
@@ -104,7 +105,9 @@ def check_depth(depth: str) -> None:
 def check_attention_options(cfg: ModelConfig) -> None:
     """The attention options of our GPT (model.sinks, ssmax, qk_norm, gate) act in its blocks; RegularGPT's
     eq. 6.1 attention takes none of them: a one-line UserError naming the one set."""
-    on = [n for n in ("sinks", "ssmax", "qk_norm", "gate") if getattr(cfg, n, False)]
+    on = [n for n in ("sinks", "ssmax", "gate") if getattr(cfg, n, False)]
+    if qk_form(getattr(cfg, "qk_norm", False)):  # "off" is a string, yet off
+        on.insert(2, "qk_norm")
     if cfg.arch == "regulargpt" and on:
         raise UserError(f"model.arch=regulargpt attends with eq. 6.1 and takes no attention options; drop "
                         f"{', '.join('model.' + n for n in on)} or use model.arch=gpt")

@@ -15,8 +15,12 @@ passes of the two-pass methods (:class:`FarRule`):
   ``apply_grouped_rotary_pos_emb``): neighbour window w = w_n, group size G; far keys at
   floor(n/G), far queries at floor(m/G) + w - floor(w/G), so the grouped distance continues the
   neighbour distances at m - n = w. The largest relative position stays below L_tr up to length
-  (L_tr - w)·G + w (:func:`selfextend_max_length`, the rule of the official README §4). The newer
-  official patches write w - w/G (true division); it equals the floor form whenever G divides w.
+  (L_tr - w)·G + w (:func:`selfextend_max_length`, the rule of the official README §4). The official
+  patches (datamllab/LongLM at cdbbb06) differ in that term: ``self_extend_patch/Llama_4_40.py``
+  (transformers 4.40, ``self_extend_forward``), the legacy patches, Mistral, Phi and Qwen2 write the
+  floor form w - floor(w/G), as we do; the older ``self_extend_patch/Llama.py`` (transformers 4.38)
+  and Gemma write w - w/G (true division, a fractional position), as do both Llama patches'
+  ``flash_self_extend_forward`` prefills. The two forms agree whenever G divides w.
 * ReRoPE (Su 2023, "Rectified Rotary Position Embeddings", github.com/bojone/rerope,
   ``rerope_patch.py``): relative position min(m - n, w); far queries at w, far keys at 0
   (unrotated).

@@ -20,9 +20,16 @@ which is eq. 7 with c = C + 1 and w_p = c - s (the paper's choice of w_p). The p
 of L_tr with c = L_tr (Llama 2: s = 3,072, so C = 4,095, w = 1,023); the code's defaults are
 C = 3/4·L_tr and w = L_tr/8 (s = 5/8·L_tr), which are ours (w defaults to C/6 for any C). Three
 passes merged before one softmax (:mod:`.rope_twopass`, attention's multi-pass path); the intra
-pass is plain RoPE exactly (RoPE depends on m - n only). The code also multiplies q and k by
-0.05·ln(L/L_tr) + 1 when the input is longer than L_tr (a length-dependent temperature the paper
-does not state); not done here (``logn`` is the family's temperature option).
+pass is plain RoPE exactly (RoPE depends on m - n only).
+
+Left out, as vLLM's ``DualChunkRotaryEmbedding`` (the implementation Qwen2.5-1M ships with) leaves it
+out: ChunkLlama's Hugging Face patch (``chunkllama_attn_replace.py``, ``get_mscale``) multiplies the
+cos and sin of q and k alike by 0.05·ln(L/L_tr) + 1 once the input holds L > L_tr keys (L_tr = the
+config's ``max_position_embeddings``), so every logit by its square, a temperature the paper does not
+state. It depends on the length of the whole input, not on the query's position, so a prefix of a
+longer input would be scored differently from the prefix alone (no causal scoring, no KV cache equal
+to the parallel forward); ``logn`` (q x max(1, log(m + 1)/log L_tr), per query) is the family's
+temperature option, and joins DCA as ``dca:C+logn``.
 """
 from __future__ import annotations
 

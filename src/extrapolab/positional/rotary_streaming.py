@@ -13,7 +13,9 @@ values the rolling cache holds: the cache's key of token j was computed when j i
 of this pattern (tests/test_streaming.py: E5 with sinks == this scheme's E1, every layer). The
 largest relative position is k + w - 1, so k + w <= L_tr keeps every position trained. Options:
 ``sinks`` k (default 4, the paper's), ``w`` (default L_tr - k: a cache of L_tr tokens),
-``original_length`` L_tr, ``logn``, ``base``.
+``original_length`` L_tr, ``logn``, ``base``. In StreamingLLM's own terms k = ``start_size`` (a BOS
+counted among them, as on a Hugging Face model whose windows start with one) and w = ``recent_size``
++ 1 (the window holds the query): docs/protocols.md, "StreamingLLM's settings in ours".
 """
 from __future__ import annotations
 

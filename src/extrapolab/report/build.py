@@ -1,5 +1,8 @@
 """Build a sweep's report from its results.sqlite only: tables (md + csv), figures, report.html.
 
+First the corpora it measured (report/corpora.py: each dataset's corpus hash and the package or
+interpreter it came from, and one warning line when the runs span more than one text of a corpus).
+
 Training curves first (report/curves.py: train and validation loss against step and tokens, seeds as
 a min-max band). After each dataset's first table, the papers' claims checked on its means
 (report/picture.py: "scheme | paper's claim (citation) | this run | shown?"). Tables follow Sandwich paper Table 3 (mean ± std over seeds, paired two-sided t-test
@@ -12,6 +15,7 @@ import datetime as dt
 import html
 import math
 import platform
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from ..io import atomic_write_text
 from .db import ResultsDB
 from .html import img_tag, md_table_to_html, page
 from .analysis_section import erf_table, plot_erf_overlay
+from .corpora import corpus_section
 from .curves import curves_section
 from .first_token import first_token_curves, first_token_means, first_token_table, plot_first_token
 from .picture import claims_markdown
@@ -136,6 +141,13 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
     figs.mkdir(exist_ok=True)
     sections: list[tuple[str, str]] = []
     md_parts = [f"# extrapolab report: {meta.get('name', out.name)}\n"]
+    corpora, mixed = corpus_section(db, meta, runs)  # which text each dataset is: hosts' packages differ
+    text = "\n".join(f"- {c}" for c in corpora) + (f"\n\n**{mixed}**" if mixed else "")
+    md_parts.append(f"## Corpora\n\n{text}\n")
+    sections.append(("Corpora", "<ul>" + "".join(f"<li>{html.escape(c)}</li>" for c in corpora) + "</ul>"
+                     + (f"<p><b>{html.escape(mixed)}</b></p>" if mixed else "")))
+    if mixed:
+        print(f"extrapolab report {out}: {mixed}", file=sys.stderr, flush=True)
     Ltr = int(meta.get("train_length", 0))
     for title, png, caption in curves_section(db, meta.get("schemes") or [], figs, out):
         sections.append((title, img_tag(png, png.stem) + f"<p>{html.escape(caption)}</p>"))

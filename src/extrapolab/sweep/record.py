@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from .. import config as C
+from ..data.origin import provenance
 
 
 def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data, model_dir: Path | None = None) -> tuple[list, list, dict]:
@@ -27,7 +28,7 @@ def evaluate_run_dir(run_dir: Path, cfg: C.RunConfig, data, model_dir: Path | No
     from ..io import atomic_write_json
 
     atomic_write_json(Path(run_dir) / "eval.json", res)
-    extra = {"eval_wall_s": time.time() - t}
+    extra = {"eval_wall_s": time.time() - t, "data": provenance(data)}  # the corpus measured (report/corpora.py)
     scalars, series = flatten_eval(res)
     if cfg.eval.erf_length:  # A1 ERF + A2 TRF of the trained scheme, recorded like any protocol
         from ..analysis.runner import sweep_analysis

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import config as C
+from ..data.origin import corpus_line, provenance
 from ..io import UserError, atomic_write_json
 
 
@@ -103,6 +104,8 @@ def eval_run(run: str | Path, *, protocols=None, lengths=None, temperature: str 
 
     res, md = _evaluate_taus(tau, ecfg, run_fn)
     res["placement"] = place.describe()
+    res["data"] = provenance(data)  # which text of the corpus this measured (data/origin.py)
+    md = corpus_line(res["data"], cfg.data.corpus) + "\n\n" + md
     if scheme is not None:
         res["rope"] = {"text": rope, "scheme": scheme.name, "options": scheme.options()}
     name = result_name(temperature, rope, ecfg.bca)  # bca: blockwise causal attention, its own file too

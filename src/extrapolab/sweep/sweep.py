@@ -19,6 +19,7 @@ import torch
 
 from .. import config as C
 from ..io import LockBusy, UserError, is_locked, run_lock, run_lock_path
+from ..report.corpora import record_corpora
 from ..report.db import ResultsDB
 from .progress import Monitor
 from .record import curve_series, evaluate_run_dir, flatten_eval
@@ -54,6 +55,8 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
         cfg = copy.deepcopy(base)
         cfg.data.corpus = d
         vocab[d] = int(prepare(cfg.data, progress=progress).vocab_size)
+    for line in record_corpora(db, base, spec.datasets):  # the corpus hashes; a resume on another text: warned
+        _say(progress, line)
     jobs = []
     n_train = len(todo) - n_derived
     tail = n_train % workers if workers > 1 and n_train > workers else 0  # runs left for the last round

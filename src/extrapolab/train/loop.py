@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from .. import config as config_mod
 from ..config import RunConfig
+from ..data.origin import provenance
 from ..io import UserError, run_lock
 from ..model.attention import AttnOptions, flush_denormals
 from ..model.regular_lm import build_model
@@ -314,6 +315,7 @@ class _Trainer:
                 "precision": self.precision, "world_size": env.world, "strategy": tc.strategy,
                 "backend": env.backend, "scheme": self.cfg.model.scheme, "train_length": self.cfg.model.train_length,
                 "positions": tc.positions,
+                "data": provenance(self.data),  # the corpus hash and its source: which text this run measured
             }
             summary = R.build_summary(self.run_dir, base, tokens_per_step)
             R.write_summary(self.run_dir, summary)

@@ -7,7 +7,10 @@ Two functions are the API:
 * :func:`ruler_samples` ``(task, length, tokenizer, n, seed=42, chat="off")`` -> ``n`` samples of
   one of the 11 offline tasks (:data:`TASKS`: 8 NIAH configurations, ``vt``, ``cwe``, ``fwe``),
   fitted to ``length`` tokens of ``tokenizer`` with ``tokens_to_generate`` counted inside,
-  sample i drawn as RULER draws it with seed ``seed + i``, cached on disk;
+  cached on disk; by default sample i is byte for byte what RULER's scripts write for chunk i under
+  ``prepare.py --chunk_amount n`` (seed ``seed + i``), not the set of RULER's default single stream
+  (``--chunk_amount 1``, which draws every sample from one stream seeded ``seed``); ``seeding="stream"``
+  gives that set, byte for byte too (both checked against RULER's scripts, tests/test_ruler_generators.py);
 * :func:`score_samples` ``(model, samples, tokenizer, chat=...)`` -> one record per sample: RULER's
   metric on KV-cached greedy output (``score``) and the teacher-forced log-probability and exact
   match of the answer after the answer prefix (``tf_*``).

@@ -106,12 +106,18 @@ class VariableTracking:
             example = example.replace(item, "".join(self.r.choices(string.ascii_uppercase, k=len(item))).upper())
         return example.replace("12345", str(self.np.randint(10000, 99999)))
 
-    def sample(self, index: int) -> dict:
-        L, ttg = self.max_len, self.task.tokens_to_generate
+    def fit(self) -> tuple[str, int]:
+        """Once per seeded stream, as RULER's ``main``: the one-shot example, then the search (its size)."""
         example = self._example()
-        step = 5 if L < 4096 else 10
-        size = self._fit(self.make, self.fmt.count, L, step, self.fmt.count_plain(example) + ttg)
-        head = len(self.fmt.head)
+        step = 5 if self.max_len < 4096 else 10
+        ttg = self.task.tokens_to_generate
+        return example, self._fit(self.make, self.fmt.count, self.max_len, step, self.fmt.count_plain(example) + ttg)
+
+    def draw(self, index: int, fitted: tuple[str, int]) -> dict:
+        """One sample from this stream: the example renamed and re-valued, the task at the searched size."""
+        example, size = fitted
+        L, ttg = self.max_len, self.task.tokens_to_generate
+        step, head = 5 if L < 4096 else 10, len(self.fmt.head)
 
         def make(n: int) -> Draft:
             d = self.make(n)
@@ -124,6 +130,9 @@ class VariableTracking:
         target = " " + " ".join(first_order(d.outputs, d.text, d.context_from))
         return finish(self.task, self.fmt, d, index=index, seed=self.seed, length=L, size=size, target=target,
                       depth_of=d.outputs[0])
+
+    def sample(self, index: int) -> dict:
+        return self.draw(index, self.fit())
 
 
 class CommonWords:
@@ -157,19 +166,28 @@ class CommonWords:
         text = shots_text + "\n" + self._prompt(context)
         return Draft(text, self.task.answer_prefix, answer, context_from=len(shots_text) + 1)
 
-    def sample(self, index: int) -> dict:
-        L, ttg, step = self.max_len, self.task.tokens_to_generate, 10
+    def fit(self) -> int:
+        """RULER's estimate (a 4,096-word draw) and search, once per seeded stream: the word count."""
+        L, step = self.max_len, 10
         per_word = self.fmt.count(self.make(4096).text) / 4096
-        tokens = lambda d: self.fmt.count(d.text) + ttg  # noqa: E731
+        tokens = lambda d: self.fmt.count(d.text) + self.task.tokens_to_generate  # noqa: E731
         best = binary_search(self.make, lambda d: tokens(d) <= L, step, max(int(L // per_word) * 2, step * 2))
         if best is not None and best >= len(self.words):
             raise UserError(f"RULER task cwe at {L} tokens needs more than the {len(self.words)} words of wonderwords' "
                             "lists (RULER then draws from its json/english_words.json, which is not shipped); use "
                             "shorter lengths for cwe")
-        d, _, size = draw_fitting(self.make, tokens, best or step, step, L, self.task, "words")
+        return best or step
+
+    def draw(self, index: int, size: int) -> dict:
+        L, ttg, step = self.max_len, self.task.tokens_to_generate, 10
+        tokens = lambda d: self.fmt.count(d.text) + ttg  # noqa: E731
+        d, _, size = draw_fitting(self.make, tokens, size, step, L, self.task, "words")
         ordered = first_order(d.outputs, d.text, d.context_from, numbered=True)
         target = " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ordered))
         return finish(self.task, self.fmt, d, index=index, seed=self.seed, length=L, size=size, target=target)
+
+    def sample(self, index: int) -> dict:
+        return self.draw(index, self.fit())
 
 
 class FrequentWords:
@@ -225,13 +243,20 @@ class FrequentWords:
         raise UserError(f"length {self.max_len} is too short for RULER task {self.task.name}: it needs a vocabulary "
                         f"of >= 4 coded words and room for them; use lengths >= {need}")
 
-    def sample(self, index: int) -> dict:
+    def fit(self) -> int:
+        """RULER's ``num_example_words``, once per seeded stream: the word count that fills the budget."""
         if self.vocab_size < 4:
             self._too_short()
-        _, num = self._generate()
+        return self._generate()[1]
+
+    def draw(self, index: int, num: int) -> dict:
+        """One sample from this stream: a fresh vocabulary at ``num`` words, shrunk while too long."""
         d, num = self._generate(num)
         if num <= 0 or self.fmt.count(d.text) > self.budget:
             self._too_short()
         target = " " + ", ".join(d.outputs)
         return finish(self.task, self.fmt, d, index=index, seed=self.seed, length=self.max_len, size=num,
                       target=target)
+
+    def sample(self, index: int) -> dict:
+        return self.draw(index, self.fit())

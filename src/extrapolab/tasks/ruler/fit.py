@@ -8,9 +8,12 @@ still too long, shrink it by one step (``incremental``) and draw again. Token co
 model's own (:class:`.prompt.PromptFormat`).
 
 Seeds. RULER seeds Python's ``random`` (and numpy's legacy global generator) once per chunk with
-``random_seed + chunk_idx`` (42 by default) and runs the search once per chunk. Here every sample
-is its own chunk: sample i is RULER's ``--chunk_amount n`` chunk i, seeded ``seed + i`` with its
-own search, so a sample does not depend on how many are drawn.
+``random_seed + chunk_idx`` (42 by default), runs the search once per chunk and draws the chunk's
+samples one after another. Each generator is one such stream: ``fit()`` is the search (for vt the
+one-shot example first, as RULER's ``main``), ``draw(i, fitted)`` one sample. By default every
+sample is its own chunk (``sample(i)`` = ``draw(i, fit())`` with seed ``seed + i``): RULER's
+``--chunk_amount n``, so a sample does not depend on how many are drawn; RULER's default single
+stream (``--chunk_amount 1``) is ``seeding="stream"`` in :func:`.samples.ruler_samples`.
 
 Where RULER would loop forever (a prompt that does not fit even at the smallest haystack), the
 smallest size is redrawn a few times and then refused with one line naming the shortest length.

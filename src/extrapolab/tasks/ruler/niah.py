@@ -104,18 +104,29 @@ class Niah:
         text = self.fmt.wrap(template.format(type_needle_v=type_v, context=context, query=query), prefix)
         return Draft(text, prefix, answers)
 
-    def sample(self, index: int) -> dict:
-        """RULER's ``generate_samples`` for one sample (:mod:`.fit`)."""
-        ttg, L = self.task.tokens_to_generate, self.max_len
-        step = 500 if self.hay == "essay" else (5 if L < 4096 else 25)
+    def _step(self) -> int:
+        return 500 if self.hay == "essay" else (5 if self.max_len < 4096 else 25)
+
+    def fit(self) -> int:
+        """RULER's estimate and binary search, once per seeded stream (:mod:`.fit`): the haystack size."""
+        step, L = self._step(), self.max_len
         per_unit = self.fmt.count(self.make(step).text) / step
+        tokens = lambda d: self.fmt.count(d.text) + self.task.tokens_to_generate  # noqa: E731
+        return binary_search(self.make, lambda d: tokens(d) <= L, step, max(int(L / per_unit * 3), step * 2)) or step
+
+    def draw(self, index: int, size: int) -> dict:
+        """One of RULER's samples at the searched ``size``, shrunk while too long, from this stream."""
+        ttg, L = self.task.tokens_to_generate, self.max_len
         tokens = lambda d: self.fmt.count(d.text) + ttg  # noqa: E731
-        best = binary_search(self.make, lambda d: tokens(d) <= L, step, max(int(L / per_unit * 3), step * 2))
-        d, _, size = draw_fitting(self.make, tokens, best or step, step, L, self.task,
+        d, _, size = draw_fitting(self.make, tokens, size, self._step(), L, self.task,
                                   "words" if self.hay == "essay" else "lines")
         target = " " + ", ".join(first_order(d.outputs, d.text, 0))
         return finish(self.task, self.fmt, d, index=index, seed=self.seed, length=L, size=size, target=target,
                       depth_of=d.outputs[0])
+
+    def sample(self, index: int) -> dict:
+        """RULER's ``generate_samples`` for one sample in its own stream (``--chunk_amount n``, :mod:`.fit`)."""
+        return self.draw(index, self.fit())
 
 
 def _singular(t: str) -> str:

@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from .score import task_score
+
 DEPTH_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0000001)
 
 
@@ -33,11 +35,13 @@ def _mean(xs) -> float | None:
 
 
 def cell_summary(records: list[dict]) -> dict:
-    """n, RULER score (mean of the per-sample metric terms, rounded as RULER rounds), teacher-forced
-    exact match and token accuracy (%), mean log-prob per target token, mean prompt tokens, seconds."""
+    """n, RULER score (its samples' metric terms averaged and rounded once, as RULER does: :func:`.score.task_score`),
+    teacher-forced exact match and token accuracy (%), mean log-prob per target token, mean prompt tokens, seconds."""
     out = {"n": len(records), "tokens": _mean(r.get("tokens") for r in records),
            "seconds": round(sum(r.get("seconds", 0.0) for r in records), 2)}
-    if records and "score" in records[0]:
+    if records and "match" in records[0]:
+        out["score"] = task_score([r["match"] for r in records])
+    elif records and "score" in records[0]:  # records without their terms (older cells): the scores' mean
         out["score"] = round(float(np.mean([r["score"] for r in records])), 2)
     if records and "tf_exact" in records[0]:
         out["tf_exact"] = round(100.0 * float(np.mean([r["tf_exact"] for r in records])), 2)

@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import config as C
+from ...data.origin import NOT_RECORDED, corpus_source
 from ...io import UserError, atomic_write_json, atomic_write_text, sha256_file
 from .prompt import PromptFormat
 from .report import csv_text, markdown, summarize
-from .samples import FORMAT, ruler_samples
-from .score import score_samples
+from .samples import FORMAT, SEEDINGS, ruler_samples
+from .score import add_terms, score_samples
 from .spec import TASKS, task_names
-from .text import ESSAY_LABEL
+from .text import ESSAY_LABEL, essay_haystack, essay_root
 
 RULER_SOURCE = "NVIDIA/RULER at c3f5e3b"
 METRIC_MODES = ("auto", "both", "greedy", "teacher")
@@ -48,8 +49,11 @@ class RulerSpec:
 
     tasks: list = field(default_factory=lambda: ["all"])  # names, "all" or "niah"
     lengths: list = field(default_factory=lambda: [4096, 8192, 16384, 32768])
-    n: int = 5  # samples per (task, length); sample i is RULER's draw with seed + i
+    n: int = 5  # samples per (task, length)
     seed: int = 42
+    #: chunk: sample i is RULER's draw with seed + i (its --chunk_amount n); stream: RULER's default single
+    #: stream seeded seed (--chunk_amount 1); tasks/ruler/samples.py
+    seeding: str = "chunk"
     chat: str = "auto"  # auto | on | off: the tokenizer's chat template as RULER's model template
     metrics: str = "auto"  # auto (hf: both, runs: teacher) | both | greedy | teacher
     essay: str = ""  # a file or folder for the essay haystack ("" = the python3-doc substitute)
@@ -138,7 +142,8 @@ def _say_plan(say, m: _Model, tasks, lengths, n, greedy, teacher) -> None:
 
 def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | None = None, tasks=None,
               lengths=None, n: int | None = None, seed: int | None = None, chat: str | None = None,
-              metrics: str | None = None, rope: str | None = None, train_length: int | None = None,
+              metrics: str | None = None, seeding: str | None = None, rope: str | None = None,
+              train_length: int | None = None,
               out=None, which: str = "best", device: str = "auto", dtype: str = "auto", command: str = "",
               prepare_only: bool = False, say=print) -> dict:
     """Run RULER's offline tasks on ``source`` (module doc); returns the results dict.
@@ -146,12 +151,15 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     t0, load0 = time.time(), _load()
     spec, cache_dir = load_spec(preset, overrides)
     for name, value in (("tasks", tasks), ("lengths", lengths), ("n", n), ("seed", seed), ("chat", chat),
-                        ("metrics", metrics)):
+                        ("metrics", metrics), ("seeding", seeding)):
         if value is not None:
             setattr(spec, name, value)
     spec.tasks, spec.lengths = task_names(spec.tasks), _lengths(spec.lengths)
     if int(spec.n) < 1:
         raise UserError(f"ruler.n (samples per task and length) must be >= 1; got {spec.n}")
+    if spec.seeding not in SEEDINGS:
+        raise UserError(f"--seeding takes chunk (sample i seeded seed + i, RULER's --chunk_amount n) or stream "
+                        f"(RULER's default single stream); got {spec.seeding!r}")
     if spec.metrics not in METRIC_MODES:
         raise UserError(f"--metrics takes {', '.join(METRIC_MODES)}; got {spec.metrics!r}")
     m = _Model(source, rope=rope, train_length=train_length, which=which, device=device, dtype=dtype,
@@ -161,7 +169,8 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     fmt = PromptFormat(m.tokenizer, spec.chat)
     m.check_lengths(spec.lengths)
     essay = spec.essay or None
-    sets = {(t, L): ruler_samples(t, L, fmt, spec.n, spec.seed, cache_dir=cache_dir, essay=essay, say=say)
+    sets = {(t, L): ruler_samples(t, L, fmt, spec.n, spec.seed, cache_dir=cache_dir, essay=essay, say=say,
+                                  seeding=spec.seeding)
             for L in spec.lengths for t in spec.tasks}  # scored length by length: a stopped run has whole columns
     if prepare_only:
         n_sets = len(sets)
@@ -178,6 +187,8 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
                                         default=str).encode()).hexdigest()[:16]
         path = out / "cells" / f"{t}-{L}.json"
         cell = _read_cell(path, key, say)
+        if cell is not None:  # a cell scored before records kept their terms: rounded once from here on
+            add_terms(cell["records"], samples)
         if cell is None:
             say(f"{t} @ {L}: scoring {len(samples)} samples")
             with m.autocast():
@@ -190,6 +201,7 @@ def run_ruler(source: str, *, preset: str | None = None, overrides: list[str] | 
     res = {"study": "ruler", "source": RULER_SOURCE, "command": command, "spec": dataclasses.asdict(spec),
            "mode": mode, "model": m.info, "chat_template": list(fmt.chat) if fmt.chat else None,
            "essay": ESSAY_LABEL if any(TASKS[t].essay for t in spec.tasks) else None,
+           "essay_text": _essay_text(essay) if any(TASKS[t].essay for t in spec.tasks) else None,
            "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": _threads(),
                     "load_average": [load0, _load()]},
            "wall_s": round(time.time() - t0, 1), "summary": _jsonable(summary), "records": records}
@@ -212,6 +224,13 @@ def _read_cell(path: Path, key: str, say) -> dict | None:
         say(f"{path.name}: stored for other settings or damaged; scoring it again")
         return None
     return cell
+
+
+def _essay_text(essay) -> dict:
+    """The essay haystack's size, hash and source package (hosts' python3-doc releases differ: data/origin.py)."""
+    words, ident = essay_haystack(essay)
+    return {"words": len(words), "sha256": ident.rsplit(":", 1)[1],
+            "source": corpus_source("pydoc", str(essay_root(essay))) if not essay else f"the file or folder {essay}"}
 
 
 def _load() -> float | None:
@@ -238,7 +257,9 @@ def _report(res: dict, tables: str) -> str:
     lines = [f"# RULER (offline tasks) on {m['name']}", "",
              f"- command: `{res['command'] or 'run_ruler(...)'}`",
              f"- tasks: {', '.join(spec['tasks'])}; lengths {spec['lengths']}; {spec['n']} samples per cell "
-             f"(sample i drawn with seed {spec['seed']} + i); scored: {res['mode']}",
+             + (f"(sample i drawn with seed {spec['seed']} + i, RULER's --chunk_amount {spec['n']}); "
+                if spec.get("seeding", "chunk") == "chunk" else
+                f"(one stream seeded {spec['seed']}, RULER's default --chunk_amount 1); ") + f"scored: {res['mode']}",
              f"- generation: {res['source']} rules; prompts in the model's tokenizer"
              + (", inside its chat template" if res["chat_template"] else ", no chat template (RULER's base)"),
              f"- model: {m.get('source')} (weights {str(m.get('weights'))[:16]}, {m.get('dtype')}, {m.get('device')}"
@@ -248,7 +269,10 @@ def _report(res: dict, tables: str) -> str:
              f"time {res['wall_s']:.0f} s (cells reused from an earlier run count zero; each cell's scoring seconds "
              "are in ruler.json)"]
     if res["essay"]:
-        lines.append(f"- essay haystack: {ESSAY_LABEL} (python3-doc prose instead of Paul Graham's essays)")
+        e = res.get("essay_text") or {}
+        lines.append(f"- essay haystack: {ESSAY_LABEL} (python3-doc prose instead of Paul Graham's essays)"
+                     + (f": {e['words']:,} words, sha256 {e['sha256']}… of the text, from {e['source']}" if e else
+                        f"; {NOT_RECORDED}"))
     if spec.get("budget"):
         lines.append(f"- preset budget: {spec['budget']}")
     return "\n".join(lines) + "\n\n" + tables

@@ -5,8 +5,18 @@ tokens of the given tokenizer (each a JSON dict, :func:`.fit.finish`), drawing t
 rules (:mod:`.niah`, :mod:`.aggregate`) or reading them back from
 ``<cache_dir>/ruler/<task>-<length>-n<n>-s<seed>-<key>.json``. The key hashes everything the
 samples depend on: the generator version (``FORMAT``), the tokenizer's definition and the chat
-template (:meth:`.prompt.PromptFormat.identity`), the task's arguments and templates, and the word
-lists and essay haystack it reads. Files are written atomically with a sha256 of their samples; a
+template (:meth:`.prompt.PromptFormat.identity`), the task's arguments and templates, the word
+lists and essay haystack it reads, and the seeding when it is not the default.
+
+Seeding (``seeding``). RULER's ``prepare.py`` seeds Python's ``random`` (and numpy's) with
+``random_seed + chunk_idx`` once per chunk of samples, searches the haystack size once per chunk and
+draws the chunk's samples one after another from that stream. ``chunk`` (the default): every sample
+is its own chunk, RULER's ``--chunk_amount n``: sample i has seed ``seed + i`` and its own search, so
+it does not depend on how many are drawn. ``stream``: RULER's default ``--chunk_amount 1``: one
+stream seeded ``seed``, one search, sample i the i-th draw. Both are checked byte for byte against
+RULER's scripts (tests/test_ruler_generators.py); sample 0 is the same in both.
+
+Files are written atomically with a sha256 of their samples; a
 file that does not parse, belongs to another key, holds the wrong number of samples, fails its
 checksum or has a sample longer than its length is refused with one line naming it (delete it to
 regenerate), never used.
@@ -27,6 +37,7 @@ from .text import essay_haystack, words_identity
 
 FORMAT = 1  #: bump when a generator changes what it draws: every cached set is regenerated
 DEFAULT_SEED = 42  #: RULER's --random_seed
+SEEDINGS = ("chunk", "stream")  #: per-sample streams (--chunk_amount n) or RULER's default single stream
 
 
 def _generator(task: Task, fmt: PromptFormat, seed: int, length: int, essay):
@@ -37,9 +48,11 @@ def _generator(task: Task, fmt: PromptFormat, seed: int, length: int, essay):
     return cls(task, fmt, seed, length)
 
 
-def _identity(task: Task, fmt: PromptFormat, length: int, n: int, seed: int, essay) -> dict:
+def _identity(task: Task, fmt: PromptFormat, length: int, n: int, seed: int, essay, seeding: str = "chunk") -> dict:
     ident = {"format": FORMAT, "task": dataclasses.asdict(task), "length": int(length), "n": int(n),
              "seed": int(seed), "prompt": fmt.identity()}
+    if seeding != "chunk":  # the default's keys stay those written before there were two seedings
+        ident["seeding"] = seeding
     if task.essay:
         ident["essay"] = essay_haystack(essay)[1]
     niah_words = task.family == "niah" and "words" in (task.args["type_needle_k"], task.args["type_needle_v"])
@@ -89,20 +102,24 @@ def cache_path(cache_dir, task: str, length: int, n: int, seed: int, key: str) -
 
 
 def ruler_samples(task: str, length: int, tokenizer, n: int, seed: int = DEFAULT_SEED, chat="off", *,
-                  cache_dir=None, essay=None, say=None) -> list[dict]:
+                  cache_dir=None, essay=None, say=None, seeding: str = "chunk") -> list[dict]:
     """``n`` RULER samples of ``task`` fitted to ``length`` tokens of ``tokenizer`` (module doc).
 
     ``tokenizer``: a Hugging Face tokenizer, an extrapolab codec or prepared ``TokenData``, or a
     :class:`.prompt.PromptFormat`. ``chat``: "off" (RULER's base template), "on", "auto" (the
-    tokenizer's chat template where it has one) or a (head, tail) pair of strings. Sample i is
-    RULER's draw with seed ``seed + i``. ``cache_dir``: the cache folder (default
+    tokenizer's chat template where it has one) or a (head, tail) pair of strings. ``seeding``:
+    "chunk" (sample i is RULER's draw with seed ``seed + i``, its ``--chunk_amount n``) or "stream"
+    (RULER's default: the i-th draw of one stream seeded ``seed``; module doc). ``cache_dir``: the cache folder (default
     ``data.cache_dir``, ``.extrapolab-cache``; False: no cache). ``essay``: a file or folder for the
     essay haystack (default: the python3-doc substitute)."""
     t = get_task(task)
     if int(length) < 1 or int(n) < 1:
         raise UserError(f"RULER needs a length >= 1 and n >= 1 samples; got length {length}, n {n}")
+    if seeding not in SEEDINGS:
+        raise UserError(f"ruler.seeding must be chunk (sample i seeded seed + i, RULER's --chunk_amount n) or stream "
+                        f"(RULER's default: one stream seeded seed); got {seeding!r}")
     fmt = tokenizer if isinstance(tokenizer, PromptFormat) else PromptFormat(tokenizer, chat)
-    ident = _identity(t, fmt, length, n, seed, essay)
+    ident = _identity(t, fmt, length, n, seed, essay, seeding)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     path = None
     if cache_dir is not False:
@@ -113,7 +130,12 @@ def ruler_samples(task: str, length: int, tokenizer, n: int, seed: int = DEFAULT
         path = cache_path(cache_dir, t.name, length, n, seed, key)
         if path.exists():
             return read_cached(path, key, int(n), int(length))
-    samples = [_generator(t, fmt, int(seed) + i, int(length), essay).sample(i) for i in range(int(n))]
+    if seeding == "chunk":
+        samples = [_generator(t, fmt, int(seed) + i, int(length), essay).sample(i) for i in range(int(n))]
+    else:  # one generator: one seeded stream, one search, n draws
+        g = _generator(t, fmt, int(seed), int(length), essay)
+        fitted = g.fit()
+        samples = [g.draw(i, fitted) for i in range(int(n))]
     if path is not None:
         atomic_write_json(path, {"format": FORMAT, "key": key, "identity": ident, "samples": samples,
                                  "sha256": _checksum(samples)})

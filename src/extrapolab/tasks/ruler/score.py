@@ -5,8 +5,9 @@ c3f5e3b; Hsieh et al. 2024 §4): the model reads ``input + answer_prefix`` and d
 ``tokens_to_generate`` tokens; the prediction is stripped, every character in ``\\x00-\\x1f``
 becomes a newline, and it is stripped again (:func:`postprocess`). ``string_match_all`` = the mean
 over samples of the fraction of references found in the prediction (case-insensitive substrings)
-x 100, ``string_match_part`` = the mean of "any reference found" x 100, both rounded to 2 places.
-Over-generation is not penalised.
+x 100, ``string_match_part`` = the mean of "any reference found" x 100, each rounded to 2 places
+once, at the task's average, as RULER computes it (``sum(terms) / n * 100``; a sample's record keeps its
+term unrounded, ``match``). Over-generation is not penalised.
 
 Small base models follow no instructions, so every sample is also scored by teacher forcing: after
 the same prompt, the log-probability of the target's tokens (:func:`.fit.finish`: the references
@@ -43,27 +44,55 @@ def postprocess(pred: str) -> str:
     return _CONTROL.sub("\n", pred.strip()).strip()
 
 
+def term_all(pred: str, refs: list[str]) -> float:
+    """One sample's ``string_match_all`` term as RULER writes it: the fraction of references in ``pred``."""
+    return sum([1.0 if r.lower() in pred.lower() else 0.0 for r in refs]) / len(refs)
+
+
+def term_part(pred: str, refs: list[str]) -> float:
+    """One sample's ``string_match_part`` term: 1 if any reference is in ``pred``."""
+    return max([1.0 if r.lower() in pred.lower() else 0.0 for r in refs])
+
+
 def match_all(pred: str, refs: list[str]) -> float:
-    """One sample's ``string_match_all`` term: the fraction of references in ``pred`` (x 100)."""
-    return 100.0 * sum(r.lower() in pred.lower() for r in refs) / len(refs)
+    """One sample's ``string_match_all`` term x 100 (unrounded)."""
+    return 100.0 * term_all(pred, refs)
 
 
 def match_part(pred: str, refs: list[str]) -> float:
-    """One sample's ``string_match_part`` term: 100 if any reference is in ``pred``."""
-    return 100.0 * max(float(r.lower() in pred.lower()) for r in refs)
+    """One sample's ``string_match_part`` term x 100: 100 if any reference is in ``pred``."""
+    return 100.0 * term_part(pred, refs)
+
+
+def task_score(terms: list[float]) -> float:
+    """RULER's score of a task from its samples' terms: ``round(sum(terms) / n * 100, 2)``, rounded once
+    (``scripts/eval/synthetic/constants.py``), in RULER's order of operations."""
+    return round(sum(terms) / len(terms) * 100, 2)
 
 
 def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
-    """RULER's ``string_match_all`` (rounded to 2 places)."""
-    return round(sum(match_all(p, r) for p, r in zip(preds, refs)) / len(preds), 2)
+    """RULER's ``string_match_all`` (rounded to 2 places once, at the average)."""
+    return task_score([term_all(p, r) for p, r in zip(preds, refs)])
 
 
 def string_match_part(preds: list[str], refs: list[list[str]]) -> float:
-    """RULER's ``string_match_part`` (rounded to 2 places)."""
-    return round(sum(match_part(p, r) for p, r in zip(preds, refs)) / len(preds), 2)
+    """RULER's ``string_match_part`` (rounded to 2 places once, at the average)."""
+    return task_score([term_part(p, r) for p, r in zip(preds, refs)])
 
 
-METRICS = {"string_match_all": match_all, "string_match_part": match_part}
+#: a task's metric -> its per-sample term (0-1)
+METRICS = {"string_match_all": term_all, "string_match_part": term_part}
+
+
+def add_terms(records: list[dict], samples: list[dict]) -> list[dict]:
+    """Records scored before ``match`` was kept (their ``score`` rounded per sample): each gets its term
+    again from its greedy output and its sample's references, so the task's score is rounded once."""
+    for r in records:
+        if "pred" in r and "match" not in r:
+            s = samples[int(r["index"])]
+            r["match"] = METRICS[TASKS[s["task"]].metric](r["pred"], s["outputs"])
+            r["score"] = 100.0 * r["match"]
+    return records
 
 
 # ---------------------------------------------------------------- model drivers
@@ -148,8 +177,8 @@ def score_sample(model, sample: dict, fmt: PromptFormat, *, greedy: bool = True,
                 break
             nxt = int(d.extend([nxt])[-1].argmax())
         pred = postprocess(fmt.decode([i for i in out if i not in stop]))
-        metric = METRICS[TASKS[sample["task"]].metric]
-        rec.update(pred=pred, generated=len(out), score=round(metric(pred, sample["outputs"]), 2))
+        term = METRICS[TASKS[sample["task"]].metric](pred, sample["outputs"])
+        rec.update(pred=pred, generated=len(out), match=term, score=100.0 * term)  # rounded at the average only
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     return rec
 
@@ -157,7 +186,8 @@ def score_sample(model, sample: dict, fmt: PromptFormat, *, greedy: bool = True,
 def score_samples(model, samples: list[dict], tokenizer, *, chat="off", greedy: bool = True, teacher: bool = True,
                   say: Callable[[str], None] | None = None) -> list[dict]:
     """Score ``samples`` (from :func:`.samples.ruler_samples`) on ``model``: one record per sample
-    with ``score`` (RULER's metric term, 0-100, on greedy output) and the teacher-forced ``tf_*``.
+    with ``match`` (RULER's metric term, 0-1, on greedy output; ``score`` = 100 x it, unrounded) and the
+    teacher-forced ``tf_*``.
 
     ``model``: an ``hf.HFModel`` / ``hf.HFCausalLM`` (its raw forward: the samples' ids already hold
     what the tokenizer adds in front) or extrapolab's GPT; it runs where its parameters are, under
@@ -178,7 +208,8 @@ def score_samples(model, samples: list[dict], tokenizer, *, chat="off", greedy: 
             out.append(score_sample(d.model, s, fmt, greedy=greedy, teacher=teacher, stop=stop, driver=d))
             if say:
                 say(f"  {s['task']} @ {s['length']} #{s['index']}: " + ", ".join(
-                    f"{k} {out[-1][k]}" for k in ("score", "tf_exact", "tf_mean_logprob", "seconds") if k in out[-1]))
+                    f"{k} {round(out[-1][k], 2) if k == 'score' else out[-1][k]}"  # shown rounded, kept whole
+                    for k in ("score", "tf_exact", "tf_mean_logprob", "seconds") if k in out[-1]))
     finally:
         d.model.train(was)
         d.cache = None
