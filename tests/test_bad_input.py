@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 128 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 132 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -19,11 +19,11 @@ holds; a sweep reaching such a run (skipped, its row left alone). Other (6): bad
 --temperature, --rope on a run that is not plain rotary, --rope on `align RUN`, disk full while logging
 (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT. GGUF models (4): not a
 GGUF file, a truncated one, an architecture transformers cannot read (each also through the CLI,
-nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (15):
+nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (14):
 xPos past its float range; Self-Extend window past L_tr and group 0; leaky ReRoPE slope < 1; a hybrid
 with an absolute scheme or a NoPE layer out of range; randomized positions below L_tr, without L_MAX,
 past a learned table; TensorBoard logging without the package (nothing written); three bad --rope
-extension specs; a sweep time budget with parallel workers; the head scale of a run that is not NoPE.
+extension specs; the head scale of a run that is not NoPE.
 RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN mscale alone or
 an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
@@ -42,6 +42,8 @@ the context; both on one type; a window over a scheme that cannot take one; a mi
 unknown published layout, one with no global layer at the model's depth; a rope kind's list of the wrong
 length in a type; through --rope: a layer type the model lacks, longrope@TYPE without its list, @TYPE on
 a model with one rope_parameters, @TYPE after a non-rewrite.
+Many runs, the executor's engines (5): sweep.runs_per_device 0; sweep.devices naming a GPU that does not exist
+(with a made-up count, and through the CLI); --engine ray without Ray installed; sweep --out naming a file.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -77,7 +79,8 @@ from extrapolab.io import UserError, run_lock, sha256_file
 from extrapolab.model.attention import AttnOptions
 from extrapolab.positional import SchemeError, build
 from extrapolab.report.db import ResultsDB
-from extrapolab.sweep.sweep import _run_job, run_sweep
+from extrapolab.sweep.job import run_job
+from extrapolab.sweep.sweep import run_sweep
 from extrapolab.train import load_checkpoint, load_model, train
 from extrapolab.train.checkpoint import MANIFEST
 
@@ -533,8 +536,9 @@ def test_run_folder_in_use(tiny, tmp_path):
         assert not run.exists()
         db = ResultsDB(out / "results.sqlite")
         db.mark("r", dataset="d", scheme="alibi", label="alibi", seed=0, status="training", run_dir=str(run))
-        msg = _run_job((str(out), "r", tiny.cfg.to_dict(), "[1/2] r"), False)
-        check("run folder in use (sweep)", msg, "skipped, another process is on it", f"pid {holder.pid}",
+        res = run_job(str(out), "r", tiny.cfg.to_dict(), "[1/2] r")
+        assert res["status"] == "skipped"
+        check("run folder in use (sweep)", res["message"], "skipped, another process is on it", f"pid {holder.pid}",
               "re-run this sweep later", how="the sweep goes on without it")
         assert db.status("r") == "training" and not run.exists()  # its row and folder left alone
         db.close()
@@ -831,11 +835,31 @@ def test_rope_per_layer_type_specs_are_one_line(case, spec, needles):
     raises(case, lambda: apply_rope(cfg, spec), *needles)
 
 
-def test_sweep_time_budget_with_workers_is_one_line():
+# ---- many runs: the executor's engines (docs/scale-out.md) ----------------------------------------
+def test_engine_settings_are_one_line(tmp_path, monkeypatch):
+    from extrapolab.executor.devices import resolve_devices
     from extrapolab.sweep.sweep import load_sweep
 
-    raises("sweep.time_budget_s with parallel workers", lambda: load_sweep("demo-quick", ["sweep.time_budget_s=60"]),
-           "sweep.workers=1")
+    raises("sweep.runs_per_device: 0", lambda: load_sweep("demo-smoke", ["sweep.runs_per_device=0"]),
+           "sweep.runs_per_device=0", "use 1")
+    raises("sweep.devices naming a GPU that does not exist", lambda: resolve_devices([0, 3], visible=2),
+           "names GPU 3 but only 2 CUDA device(s) are visible", "sweep.devices=auto")
+    out = tmp_path / "sweep"
+    args = ["sweep", "demo-smoke", "--out", str(out), "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    check("sweep.devices naming a GPU that does not exist (CLI)", _cli(*args, "--set", "sweep.devices=[64]"),
+          "sweep.devices=[64]", how=CLI_HOW)  # here: no GPU at all; on a GPU machine: "only N are visible"
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where the extra is not installed
+    check("--engine ray without Ray installed", _cli(*args, "--engine", "ray"), "needs Ray",
+          "pip install -e '.[ray]'", "make setup", how=CLI_HOW)
+    assert not out.exists()
+
+
+def test_sweep_out_naming_a_file_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    before = tree(tmp_path)
+    check("sweep --out naming a file", _cli("sweep", "demo-smoke", "--out", str(tmp_path / "notes.txt")),
+          "is a file, not a folder", "pass a new folder", how=CLI_HOW)
+    assert tree(tmp_path) == before
 
 
 def test_head_scale_on_a_run_that_is_not_nope(tiny, tmp_path):

@@ -18,7 +18,7 @@ from . import analyze as analyze_cli
 from . import extend as extend_cli
 from . import regular as regular_cli
 from . import ruler as ruler_cli
-from .common import EVAL_ROPE_HELP, DeviceOpt, DtypeOpt, friendly
+from .common import EVAL_ROPE_HELP, AddressOpt, DeviceOpt, DtypeOpt, EngineOpt, engine_overrides, friendly
 
 app = typer.Typer(
     add_completion=False,
@@ -127,12 +127,15 @@ def sweep(
     set_: Optional[List[str]] = SetOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
+    engine: Optional[str] = EngineOpt,
+    address: Optional[str] = AddressOpt,
 ):
     """Train and evaluate a grid of schemes x seeds x datasets (resumable), then write the report."""
     from ..sweep.sweep import run_sweep
     from ..train.placement import placement_overrides
 
-    res = run_sweep(config_file, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
+    res = run_sweep(config_file, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype),
+                                                     *engine_overrides(engine, address)])
     typer.echo(f"report: {res['report']}")
 
 
@@ -146,6 +149,8 @@ def demo(
     set_: Optional[List[str]] = SetOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
+    engine: Optional[str] = EngineOpt,
+    address: Optional[str] = AddressOpt,
 ):
     """The main job: train a set of schemes on the embedded code corpus, test long, write the report."""
     from ..sweep.sweep import run_sweep
@@ -153,7 +158,7 @@ def demo(
 
     preset = {"paper": "full"}.get(preset, preset)
     res = run_sweep(f"demo-{preset}" if not preset.endswith((".yaml", ".yml")) else preset, out=out,
-                    overrides=[*(set_ or []), *placement_overrides(device, dtype)])
+                    overrides=[*(set_ or []), *placement_overrides(device, dtype), *engine_overrides(engine, address)])
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
 
 
