@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 132 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 135 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -42,8 +42,10 @@ the context; both on one type; a window over a scheme that cannot take one; a mi
 unknown published layout, one with no global layer at the model's depth; a rope kind's list of the wrong
 length in a type; through --rope: a layer type the model lacks, longrope@TYPE without its list, @TYPE on
 a model with one rope_parameters, @TYPE after a non-rewrite.
-Many runs, the executor's engines (5): sweep.runs_per_device 0; sweep.devices naming a GPU that does not exist
-(with a made-up count, and through the CLI); --engine ray without Ray installed; sweep --out naming a file.
+Many runs, the executor's engines (8): sweep.runs_per_device 0; sweep.devices naming a GPU that does not exist
+(with a made-up count, and through the CLI); --engine ray without Ray installed; an unreachable Ray address;
+on a real two-node cluster, a sweep folder one node cannot write and a GPU asked of a cluster without one;
+sweep --out naming a file.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -58,6 +60,7 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -860,6 +863,39 @@ def test_sweep_out_naming_a_file_is_one_line(tmp_path):
     check("sweep --out naming a file", _cli("sweep", "demo-smoke", "--out", str(tmp_path / "notes.txt")),
           "is a file, not a folder", "pass a new folder", how=CLI_HOW)
     assert tree(tmp_path) == before
+
+
+def test_unreachable_ray_address_is_one_line(tmp_path):
+    import socket
+
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "sweep"
+    check("--engine ray at an unreachable address",
+          _cli("sweep", "demo-smoke", "--out", str(out), "--engine", "ray", "--address", f"127.0.0.1:{port}"),
+          f"no Ray cluster answers at 127.0.0.1:{port}", "ray start --head", how=CLI_HOW)
+    assert not out.exists()
+
+
+#: Ray's own log lines (C++ core): in a network namespace with loopback only it warns that it found no public IP
+RAY_LOG = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [DIWE] \d+ \d+\] ")
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("unwritable out", ("is not on storage every Ray node can use", "node 127.0.0.2/", "cannot write it",
+                        "every node mounts at the same path")),
+    ("gpu on a cluster without one", ("train.device=cuda asks for a GPU but the Ray cluster", "has none",
+                                      "--set train.device=cpu")),
+])
+def test_ray_cluster_refusals_are_one_line(ray_cluster_record, case, needles):
+    """On the two-node cluster of tests/test_executor_ray.py: the real CLI, exit 2, one line, nothing written."""
+    r = ray_cluster_record["refusals"][case]
+    lines = [ln for ln in r["stderr"].splitlines() if ln.strip() and not RAY_LOG.match(ln)]
+    assert r["rc"] == 2 and len(lines) == 1 and lines[0].startswith("error:"), r
+    check(f"--engine ray: {case}", lines[0][len("error: "):], *needles, how="process: exit 2")
+    assert not r["out_exists"]
 
 
 def test_head_scale_on_a_run_that_is_not_nope(tiny, tmp_path):

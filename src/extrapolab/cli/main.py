@@ -208,9 +208,22 @@ def bench(
     sinks: Optional[str] = typer.Option(None, "--sinks", help="--hf: also E5 decoding with K attention sinks and a "
                                         "W-token window (StreamingLLM), K:W, e.g. 4:1024, timed against "
                                         "transformers' rotated-key cache of the same size"),
+    sweep_: bool = typer.Option(False, "--sweep", help="instead of the schemes, runs per hour of one smoke sweep "
+                                "(8 runs) on the local engine (1 and 2 workers) and on a two-node Ray cluster, and "
+                                "each engine's overhead per run (docs/scale-out.md)"),
+    address: Optional[str] = typer.Option(None, "--address", help="--sweep: the Ray cluster to time (HOST:PORT or "
+                                          "auto); default: two one-CPU nodes started on this machine"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
     from ..io import UserError, atomic_write_json
+
+    if sweep_:  # the executor: local workers against Ray tasks
+        from ..sweep.bench import bench_sweep, format_sweep_bench
+
+        res = bench_sweep(address, say=lambda m: typer.echo(m, err=True))
+        atomic_write_json(out, res)
+        typer.echo(format_sweep_bench(res))
+        return
 
     if hf:  # a real model: our E1 against the model's own forward
         from ..hf.bench import bench_hf_eval, format_hf_eval

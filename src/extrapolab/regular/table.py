@@ -149,7 +149,7 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
     cfgs = _planned(tasks, models, seeds, budget, per_model, overrides, cells)
     dirs = {k: out / "runs" / k[0] / k[1] / f"seed{k[2]}" for k in cfgs}
     found = {k: ensure_run(cfg, dirs[k], progress=False, train=False) for k, cfg in cfgs.items()}
-    todo = {} if skip_missing else {k: (cfgs[k], dirs[k], job_cost(k[1], make_task(k[0]).family))
+    todo = {} if skip_missing else {k: (cfgs[k], dirs[k].resolve(), job_cost(k[1], make_task(k[0]).family))
                                     for k, r in found.items() if r is None}
     engine = EngineSpec(**{**vars(engine or EngineSpec(where="--")), "workers": workers}).validated()
     if todo:  # a missing device, a bad device list or an unusable cluster fails here, before any run starts

@@ -61,6 +61,7 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
         cfg.data.corpus = d
         vocab[d] = int(prepare(cfg.data, progress=progress).vocab_size)
     trains, derived = [], []
+    home = out.resolve()  # runs are told absolute paths: a Ray worker starts in a folder of its own
     n_train = len(todo) - n_derived
     tail = n_train % workers if workers > 1 and n_train > workers else 0  # runs left for the last round
     for n, (i, dataset, scheme, seed) in enumerate(todo):
@@ -71,8 +72,9 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
                            "re-run this sweep later for its results")
             continue
         cfg = entry_config(base, scheme)
-        cfg.name, cfg.out_dir = rid, str(out / "runs")
+        cfg.name, cfg.out_dir = rid, str(home / "runs")
         cfg.train.seed, cfg.data.corpus = seed, dataset
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).resolve())
         if workers > 1 and not cfg.train.threads:  # the last round's runs share the cores the pool freed
             share = min(workers, n_derived) if scheme.derived else tail if n >= n_train - tail else workers
             cfg.train.threads = ex.run_threads(share)
@@ -80,7 +82,7 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
                 status="queued", run_dir=str(out / "runs" / rid), config=cfg.to_dict())
         derive = {"source": run_id(dataset, spec.entry(scheme.source), seed), "step": scheme.step} \
             if scheme.derived else None
-        job = Job(rid, run_job, (str(out), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}", derive,
+        job = Job(rid, run_job, (str(home), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}", derive,
                                  spec.engine.procs_per_run), tag=f"[{i}/{len(grid)}] {rid}")
         (derived.append((job, derive["source"])) if derive else trains.append(job))
     with Monitor(out, [j.key for j in trains], base.train.steps, workers, enabled=progress, where=ex.where) as mon:
