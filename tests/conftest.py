@@ -91,11 +91,21 @@ def ray_cluster_record(tmp_path_factory):
         if not record.is_file():
             root.mkdir(exist_ok=True)
             src = str(Path(extrapolab.__file__).parents[1])
+            import secrets
+
+            # token authentication with a token of this session's own (Ray 2.60 turns it on by itself where
+            # ~/.ray/auth_token exists, and then only for the head): every node and driver inherits it
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
-                   "RAY_USAGE_STATS_ENABLED": "0"}
+                   "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
             script = Path(__file__).parent / "ray_scenarios.py"
-            subprocess.run([*prefix, "bash", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, str(script),
-                            str(root), str(record)], env=env, timeout=900, check=False)
+            proc = subprocess.Popen([*prefix, "bash", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
+                                     str(script), str(root), str(record)], env=env)
+            try:
+                proc.wait(timeout=900)
+            except subprocess.TimeoutExpired:  # SIGTERM: the script stops the Ray nodes it started, then exits
+                proc.terminate()
+                proc.wait(timeout=120)
+                raise
     rec = json.loads(record.read_text())
     assert "error" not in rec, rec["error"]
     return rec

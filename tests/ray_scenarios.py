@@ -27,6 +27,11 @@ RAY = str(Path(sys.executable).parent / "ray")
 RUNS = ["sweep.schemes=[none,alibi]", "sweep.seeds=[0,1]", "train.threads=1", "sweep.cost_rounds=1",
         "train.steps=200", "train.checkpoint_every=20", "train.log_every=20", "train.eval_every=200"]
 
+#: `regular table`: 2 tasks x 1 column x 2 seeds of 3 steps
+REGULAR = ["--tasks", "parity,even_pairs", "--models", "rnn", "--seeds", "2", "--steps", "3", "--test-samples", "4",
+           "--run-opt", "rnn:train_max=6", "--run-opt", "rnn:test_max=44", "--run-opt", "rnn:val_samples=4",
+           "--run-opt", "rnn:eval_every=1", "--workers", "2"]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -50,6 +55,8 @@ class Cluster:
         self.address = f"127.0.0.1:{self.port}"
         self.ro = root / "ro"
         self.ro.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
         self.head = self._start([RAY, "start", "--head", f"--port={self.port}", "--num-cpus=2", "--include-dashboard=false",
                                  "--disable-usage-stats", "--node-ip-address=127.0.0.1", "--block"], "head")
         _wait(lambda: self._answers(), 60, "the head node")
@@ -105,6 +112,23 @@ class Cluster:
             except ProcessLookupError:
                 pass
             p.wait()
+        forget_cluster(self.address)
+
+
+def forget_cluster(address: str) -> None:
+    """`ray start --head` records its address for `ray.init("auto")` on this machine; a head that was killed
+    cannot remove it, and a later `ray.init` would wait on it: remove it if it is still ours."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        rec = Path(get_ray_address_file(None))
+    except ImportError:  # another Ray: its default place
+        rec = Path("/tmp/ray/ray_current_cluster")
+    try:
+        if rec.read_text().strip() == address:
+            rec.unlink()
+    except OSError:
+        pass
 
 
 def sweep_cmd(out: Path, over: list[str], engine: list[str]) -> list[str]:
@@ -185,6 +209,16 @@ def scenarios(c: Cluster, root: Path, rec: dict) -> None:
         return {**sweep(out, [*cache, "sweep.schemes=[alibi]", "sweep.seeds=[0]", "train.threads=1",
                               "sweep.cost_rounds=1", "sweep.procs_per_run=2"], ray), **observe(out)}
 
+    def regular():  # `regular table` through the same executor: 4 runs as tasks
+        out = root / "regular"
+        t = time.monotonic()
+        p = subprocess.run([PY, "-m", "extrapolab.cli.main", "regular", "table", "--out", str(out), *REGULAR, *ray],
+                           capture_output=True, text=True, timeout=240)
+        table = json.loads((out / "table.json").read_text()) if (out / "table.json").is_file() else {}
+        return {"rc": p.returncode, "stderr": p.stderr[-4000:], "wall_s": time.monotonic() - t,
+                "invocation": table.get("invocation"),
+                "per_seed": {t: v["rnn"]["per_seed"] for t, v in (table.get("tasks") or {}).items()}}
+
     def driver_killed():
         out = root / "driver-killed"
         p = subprocess.Popen(sweep_cmd(out, [*cache, *RUNS], ray), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -220,8 +254,8 @@ def scenarios(c: Cluster, root: Path, rec: dict) -> None:
         return {"victim": victim, "raylet_pid": killed, "rc": p.returncode, "stderr": err[-4000:], **observe(out),
                 "metrics": metrics(out)}
 
-    for name, fn in (("smoke", smoke), ("refusals", refusals), ("ddp", ddp), ("driver_killed", driver_killed),
-                     ("worker_killed", worker_killed)):
+    for name, fn in (("smoke", smoke), ("refusals", refusals), ("ddp", ddp), ("regular", regular),
+                     ("driver_killed", driver_killed), ("worker_killed", worker_killed)):
         step(name, fn)
 
 
@@ -229,16 +263,16 @@ def main(root: str, out_json: str) -> None:
     root_p, rec = Path(root), {"root": root}
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     t = time.monotonic()
-    cluster = None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped from outside: still stop the nodes (finally)
+    cluster = Cluster(root_p)
     try:
-        cluster = Cluster(root_p)
+        cluster.start()
         rec["cluster_s"] = round(time.monotonic() - t, 1)
         scenarios(cluster, root_p, rec)
     except Exception:
         rec["error"] = traceback.format_exc()[-3000:]
     finally:
-        if cluster is not None:
-            cluster.stop()
+        cluster.stop()  # the nodes started so far, whatever failed
         rec["total_s"] = round(time.monotonic() - t, 1)
         Path(out_json).write_text(json.dumps(rec, indent=1, default=str))
 

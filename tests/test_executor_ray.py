@@ -8,6 +8,8 @@ time: the run is retried on the other node and resumes from its checkpoint, and 
 uninterrupted sweep's bit for bit (CPU, one thread); a driver killed mid-sweep is continued by the same
 command; a run of two processes (torchrun, gloo) is one task holding both CPUs.
 """
+import json
+
 HEAD, WORKER = "127.0.0.1", "127.0.0.2"
 
 
@@ -82,3 +84,20 @@ def test_a_run_of_two_processes_is_one_placement(ray_cluster_record):
     assert run["node"].startswith(HEAD)  # the only node with the 2 CPUs the task holds
     assert "2 CPU each" in r["stderr"]
     _clean(r)
+
+
+def test_regular_table_runs_as_ray_tasks_with_the_local_results(ray_cluster_record, tmp_path):
+    """`regular table --engine ray` hands its runs to the same executor: the per-seed accuracies of the runs
+    done in this process."""
+    from ray_scenarios import REGULAR
+    from typer.testing import CliRunner
+
+    from extrapolab.cli.regular import app
+
+    r = _scenario(ray_cluster_record, "regular")
+    assert r["invocation"]["engine"] == "ray" and r["invocation"]["trained"] == 4
+    assert REGULAR[-2:] == ["--workers", "2"]
+    local = CliRunner().invoke(app, ["table", "--out", str(tmp_path), *REGULAR[:-2]])  # one process, in order
+    assert local.exit_code == 0, local.output
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert {t: v["rnn"]["per_seed"] for t, v in table["tasks"].items()} == r["per_seed"]

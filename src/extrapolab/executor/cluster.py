@@ -36,6 +36,16 @@ def import_ray():
     return ray
 
 
+def private_auth() -> None:
+    """For a Ray this process starts itself: token authentication with a token of its own, in the environment
+    its Ray processes inherit (so nothing is written to ~/.ray), unless the user chose (RAY_AUTH_MODE set).
+    Call it before Ray is imported (Ray reads the mode once)."""
+    if "RAY_AUTH_MODE" not in os.environ:
+        import secrets
+
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+
+
 def check_reachable(address: str) -> None:
     """HOST:PORT must answer on TCP before Ray is asked (which would retry for a minute)."""
     if address in ("", "auto"):
@@ -104,6 +114,8 @@ class RayExecutor(Executor):
     def __init__(self, spec, *, device: str = "auto", threads: int = 0, out: Path | None = None,
                  device_what: str = "train.device") -> None:
         super().__init__()
+        if not spec.address:  # before Ray is imported: it reads its authentication mode once
+            private_auth()
         self.ray = ray = import_ray()
         self.spec, self.address = spec, spec.address or "this machine"
         check_reachable(spec.address)
@@ -111,7 +123,10 @@ class RayExecutor(Executor):
         if self._own:
             kw = {"logging_level": "ERROR", "log_to_driver": False}
             try:
-                ray.init(address=spec.address, **kw) if spec.address else ray.init(include_dashboard=False, **kw)
+                if spec.address:
+                    ray.init(address=spec.address, **kw)
+                else:  # "local": a new Ray of this machine, never a cluster `ray start` left recorded in /tmp/ray
+                    ray.init(address="local", include_dashboard=False, **kw)
             except ConnectionError as e:
                 raise UserError(f"cannot join a Ray cluster at {spec.address} ({str(e).splitlines()[0]}); start one "
                                 "with `ray start --head --port=6379` (and `ray start --address=HEAD:6379` on the other "

@@ -61,8 +61,9 @@ def bench_sweep(address: str | None = None, cache_dir: str | None = None, say=la
 
 def _two_nodes():
     """A head and a worker node of one CPU each on this machine, this process their driver."""
-    from ..executor.cluster import import_ray
+    from ..executor.cluster import import_ray, private_auth
 
+    private_auth()  # before Ray is imported
     ray = import_ray()
     from ray.cluster_utils import Cluster
 

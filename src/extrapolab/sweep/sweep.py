@@ -83,8 +83,11 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
         derive = {"source": run_id(dataset, spec.entry(scheme.source), seed), "step": scheme.step} \
             if scheme.derived else None
         job = Job(rid, run_job, (str(home), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}", derive,
-                                 spec.engine.procs_per_run), tag=f"[{i}/{len(grid)}] {rid}")
-        (derived.append((job, derive["source"])) if derive else trains.append(job))
+                                 spec.engine.procs_per_run), tag=f"[{i}/{len(grid)}] {rid}", threads=cfg.train.threads)
+        if derive:
+            derived.append((job, derive["source"]))
+        else:
+            trains.append(job)
     with Monitor(out, [j.key for j in trains], base.train.steps, workers, enabled=progress, where=ex.where) as mon:
         t1 = time.time()
         left = run_all(ex, db, trains, derived, spec.time_budget_s, t0, mon.say)
