@@ -10,6 +10,8 @@ command; a run of two processes (torchrun, gloo) is one task holding both CPUs.
 """
 import json
 
+import pytest
+
 HEAD, WORKER = "127.0.0.1", "127.0.0.2"
 
 
@@ -101,3 +103,27 @@ def test_regular_table_runs_as_ray_tasks_with_the_local_results(ray_cluster_reco
     assert local.exit_code == 0, local.output
     table = json.loads((tmp_path / "table.json").read_text())
     assert {t: v["rnn"]["per_seed"] for t, v in table["tasks"].items()} == r["per_seed"]
+
+
+@pytest.mark.slow
+def test_bench_sweep_times_the_three_engines(tmp_path):
+    """`extrapolab bench --sweep` (about a minute): local 1 and 2 workers and a two-node Ray of this machine."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _private_network
+
+    pytest.importorskip("ray")
+    prefix = _private_network()
+    if prefix is None:
+        pytest.skip("needs a private network namespace (unshare -n)")
+    out = tmp_path / "bench.json"
+    p = subprocess.run([*prefix, "bash", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable, "-m",
+                        "extrapolab.cli.main", "bench", "--sweep", "--out", str(out)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["slots"] for r in rows] == [1, 2, 2] and rows[0]["x_local_1"] == 1.0
+    assert all(r["runs"] == 8 and r["runs_per_hour"] > 0 for r in rows)
+    assert rows[0]["overhead_mean_s"] < 0.5 and all(r["overhead_max_s"] >= 0 for r in rows)  # in the driver: ~nothing
