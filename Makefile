@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install -q triton==3.9.0  # kernels extra: Triton's interpreter runs our kernels in the tests (CUDA torch brings its own triton)
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,tb,kernels]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,tb,kernels,ray]'
 	-bash scripts/install-prose.sh
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 144 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 151 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -19,12 +19,12 @@ holds; a sweep reaching such a run (skipped, its row left alone). Other (6): bad
 --temperature, --rope on a run that is not plain rotary, --rope on `align RUN`, disk full while logging
 (CLI), a bad $EXTRAPOLAB_DB_TIMEOUT. GGUF models (4): not a
 GGUF file, a truncated one, an architecture transformers cannot read (each also through the CLI,
-nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (16):
+nothing left in the cache), a reference model whose download has the wrong sha256. Added in 2026 (15):
 xPos past its float range; Self-Extend window past L_tr and group 0; leaky ReRoPE slope < 1; a hybrid
 with an absolute scheme or a NoPE layer out of range; randomized positions below L_tr, without L_MAX,
 past a learned table; TensorBoard logging without the package (nothing written); three bad --rope
-extension specs; a sweep time budget with parallel workers; the head scale of a run that is not NoPE; the GPU
-demo preset on a machine without a GPU.
+extension specs; the head scale of a run that is not NoPE; the GPU demo preset on a machine without a
+GPU.
 RoPE kinds (13): llama3 low >= high, a LongRoPE list of the wrong length, a YaRN mscale alone or
 an attention factor contradicting it, a p-RoPE fraction outside [0, 1] (schemes); through --rope:
 llama3 low >= high, a LongRoPE list of the wrong length, no long list, no extension factor, an
@@ -51,6 +51,10 @@ rope_type), Llama 4 (a rope_theta that is no number; also through the CLI), Smol
 embedding lacks, @TYPE on such a model, a rewrite over a type that already scales RoPE, replace=true without
 the unscaled length; a chunked model (Llama 4) under a method that cannot honour chunks (one-pass alignment);
 a --rope method on a model whose attention skips the registered function (Falcon).
+Many runs, the executor's engines (8): sweep.runs_per_device 0; sweep.devices naming a GPU that does not exist
+(with a made-up count, and through the CLI); --engine ray without Ray installed; an unreachable Ray address;
+on a real two-node cluster, a sweep folder one node cannot write and a GPU asked of a cluster without one;
+sweep --out naming a file.
 Through the CLI (exit 2, one ``error:`` line): 3 in-process (typer's runner) and 3 as real
 ``python -m extrapolab.cli.main`` subprocesses (one trains into a run folder this process holds).
 In-process cases require UserError / SchemeError / ConfigError, the three types the CLI turns
@@ -65,6 +69,7 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -87,7 +92,8 @@ from extrapolab.io import UserError, run_lock, sha256_file
 from extrapolab.model.attention import AttnOptions
 from extrapolab.positional import SchemeError, build
 from extrapolab.report.db import ResultsDB
-from extrapolab.sweep.sweep import _run_job, run_sweep
+from extrapolab.sweep.job import run_job
+from extrapolab.sweep.sweep import run_sweep
 from extrapolab.train import load_checkpoint, load_model, train
 from extrapolab.train.checkpoint import MANIFEST
 
@@ -543,8 +549,9 @@ def test_run_folder_in_use(tiny, tmp_path):
         assert not run.exists()
         db = ResultsDB(out / "results.sqlite")
         db.mark("r", dataset="d", scheme="alibi", label="alibi", seed=0, status="training", run_dir=str(run))
-        msg = _run_job((str(out), "r", tiny.cfg.to_dict(), "[1/2] r"), False)
-        check("run folder in use (sweep)", msg, "skipped, another process is on it", f"pid {holder.pid}",
+        res = run_job(str(out), "r", tiny.cfg.to_dict(), "[1/2] r")
+        assert res["status"] == "skipped"
+        check("run folder in use (sweep)", res["message"], "skipped, another process is on it", f"pid {holder.pid}",
               "re-run this sweep later", how="the sweep goes on without it")
         assert db.status("r") == "training" and not run.exists()  # its row and folder left alone
         db.close()
@@ -941,11 +948,64 @@ def test_alignment_on_a_chunked_model_is_one_line(tmp_path):
            "layer 0 attends within chunks of 16 tokens (attention_chunk_size)", "align a model without chunked")
 
 
-def test_sweep_time_budget_with_workers_is_one_line():
+# ---- many runs: the executor's engines (docs/scale-out.md) ----------------------------------------
+def test_engine_settings_are_one_line(tmp_path, monkeypatch):
+    from extrapolab.executor.devices import resolve_devices
     from extrapolab.sweep.sweep import load_sweep
 
-    raises("sweep.time_budget_s with parallel workers", lambda: load_sweep("demo-quick", ["sweep.time_budget_s=60"]),
-           "sweep.workers=1")
+    raises("sweep.runs_per_device: 0", lambda: load_sweep("demo-smoke", ["sweep.runs_per_device=0"]),
+           "sweep.runs_per_device=0", "use 1")
+    raises("sweep.devices naming a GPU that does not exist", lambda: resolve_devices([0, 3], visible=2),
+           "names GPU 3 but only 2 CUDA device(s) are visible", "sweep.devices=auto")
+    out = tmp_path / "sweep"
+    args = ["sweep", "demo-smoke", "--out", str(out), "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    check("sweep.devices naming a GPU that does not exist (CLI)", _cli(*args, "--set", "sweep.devices=[64]"),
+          "sweep.devices=[64]", how=CLI_HOW)  # here: no GPU at all; on a GPU machine: "only N are visible"
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as where the extra is not installed
+    check("--engine ray without Ray installed", _cli(*args, "--engine", "ray"), "needs Ray",
+          "pip install -e '.[ray]'", "make setup", how=CLI_HOW)
+    assert not out.exists()
+
+
+def test_sweep_out_naming_a_file_is_one_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    before = tree(tmp_path)
+    check("sweep --out naming a file", _cli("sweep", "demo-smoke", "--out", str(tmp_path / "notes.txt")),
+          "is a file, not a folder", "pass a new folder", how=CLI_HOW)
+    assert tree(tmp_path) == before
+
+
+def test_unreachable_ray_address_is_one_line(tmp_path):
+    import socket
+
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "sweep"
+    check("--engine ray at an unreachable address",
+          _cli("sweep", "demo-smoke", "--out", str(out), "--engine", "ray", "--address", f"127.0.0.1:{port}"),
+          f"no Ray cluster answers at 127.0.0.1:{port}", "ray start --head", how=CLI_HOW)
+    assert not out.exists()
+
+
+#: Ray's own log lines (C++ core): in a network namespace with loopback only it warns that it found no public IP
+RAY_LOG = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [DIWE] \d+ \d+\] ")
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("unwritable out", ("is not on storage every Ray node can use", "node 127.0.0.2/", "cannot write it",
+                        "every node mounts at the same path")),
+    ("gpu on a cluster without one", ("train.device=cuda asks for a GPU but the Ray cluster", "has none",
+                                      "--set train.device=cpu")),
+])
+def test_ray_cluster_refusals_are_one_line(ray_cluster_record, case, needles):
+    """On the two-node cluster of tests/test_executor_ray.py: the real CLI, exit 2, one line, nothing written."""
+    r = ray_cluster_record["refusals"][case]
+    lines = [ln for ln in r["stderr"].splitlines() if ln.strip() and not RAY_LOG.match(ln)]
+    assert r["rc"] == 2 and len(lines) == 1 and lines[0].startswith("error:"), r
+    check(f"--engine ray: {case}", lines[0][len("error: "):], *needles, how="process: exit 2")
+    assert not r["out_exists"]
 
 
 def test_head_scale_on_a_run_that_is_not_nope(tiny, tmp_path):

@@ -274,7 +274,7 @@ _ORPHAN_SCRIPT = r"""
 import os, sys, time
 from concurrent.futures import ProcessPoolExecutor
 import multiprocessing
-from extrapolab.sweep.sweep import exit_with_parent
+from extrapolab.executor.local import exit_with_parent
 
 def job(path):
     open(path, "w").write(str(os.getpid()))

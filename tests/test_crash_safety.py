@@ -194,6 +194,12 @@ def test_killed_sweep_keeps_finished_runs(setup):
     kill_and_resume_sweep(setup[0], kills=[1], seed=5, grid=["sweep.seeds=[0]", "sweep.schemes=[none,alibi]"])
 
 
+def test_killed_sweep_with_parallel_workers_keeps_finished_runs(setup):
+    """The same with two worker processes: they end with the killed driver, which alone records their rows."""
+    kill_and_resume_sweep(setup[0], kills=[1], seed=7, grid=["sweep.seeds=[0]", "sweep.schemes=[none,alibi]",
+                                                             "sweep.workers=2", "sweep.cost_rounds=1"])
+
+
 @pytest.mark.slow
 def test_killed_sweep_many_times(setup):
     kill_and_resume_sweep(setup[0], kills=[1, 1, 2, 3, 4, 5], seed=6, grid=["sweep.seeds=[0,1]"])

@@ -7,11 +7,11 @@ from pathlib import Path
 import extrapolab
 
 ROOT = Path(extrapolab.__file__).parent
-#: stages in pipeline order, then the studies built on them, then the CLI; each may import only
-#: itself and what comes before it
+#: stages in pipeline order, the executor of many runs, then the studies built on them, then the CLI;
+#: each may import only itself and what comes before it
 STAGES = ["positional", "model", "data", "train", "eval", "analysis", "report"]
 STUDIES = ["perf", "hf", "tasks", "align", "extend", "regular", "sweep"]
-ORDER = STAGES + STUDIES + ["cli"]
+ORDER = STAGES + ["executor"] + STUDIES + ["cli"]
 #: what the shared top-level modules may import (config validates model/scheme options)
 TOP_LEVEL = {"io": [], "memory": [], "config": ["positional", "model"], "__main__": ["cli"]}
 

@@ -11,7 +11,10 @@ from extrapolab.io import UserError
 from extrapolab.report.db import ResultsDB
 from extrapolab.report.picture import CLAIMS
 from extrapolab.sweep.spec import SweepSpec, load_sweep
-from extrapolab.sweep.sweep import _run_job, run_sweep
+from extrapolab.executor import Job, LocalExecutor
+from extrapolab.sweep.execute import run_all
+from extrapolab.sweep.job import run_job
+from extrapolab.sweep.sweep import run_sweep
 
 TINY = {
     "name": "derived-smoke", "out_dir": "reports",
@@ -113,9 +116,14 @@ def test_resume_skips_derived_entries_and_a_missing_source_is_skipped(swept, tmp
     stamp = (out / "runs" / "stdlib--nope-headscale_tuned_--s0" / "head-scale.json").stat().st_mtime_ns
     run_sweep(str(preset), out=out, overrides=over, progress=False)
     assert (out / "runs" / "stdlib--nope-headscale_tuned_--s0" / "head-scale.json").stat().st_mtime_ns == stamp
-    job = (str(tmp_path), "stdlib--x--s0", {}, "[1/1] x", {"source": "stdlib--none--s0", "step": {}})
-    ResultsDB(tmp_path / "results.sqlite").close()
-    assert "its source run stdlib--none--s0 is not done" in _run_job(job, False)
+    # the driver hands out a derived run only once its source run is done
+    job = Job("stdlib--x--s0", run_job, (str(tmp_path), "stdlib--x--s0", {}, "[1/1] x",
+                                         {"source": "stdlib--none--s0", "step": {}}), tag="[1/1] x")
+    db, said = ResultsDB(tmp_path / "results.sqlite"), []
+    with LocalExecutor([None]) as ex:
+        assert run_all(ex, db, [], [(job, "stdlib--none--s0")], 0.0, 0.0, said.append) == 0
+    db.close()
+    assert said == ["[1/1] x: skipped, its source run stdlib--none--s0 is not done; re-run this sweep after it"]
 
 
 @pytest.mark.parametrize("entries, needle", [

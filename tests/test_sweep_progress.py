@@ -1,5 +1,7 @@
-"""The sweep's one live progress line: counts, each running run's step, an ETA from measured step times."""
+"""The sweep's one live progress line: counts, each running run's step (and its node or GPU when not simply
+this machine), an ETA from measured step times."""
 import json
+import socket
 
 from extrapolab.report.db import ResultsDB
 from extrapolab.sweep.progress import Monitor
@@ -31,4 +33,12 @@ def test_line_before_any_step_time_has_no_eta(tmp_path):
     db.mark("a", dataset="x", scheme="none", label="none", seed=0, status="training", run_dir="")
     line = Monitor(tmp_path, ["a"], steps=10, workers=1).line(db)
     assert "runs 0 done / 1 running / 0 queued" in line and "a: step 0/10" in line and "ETA" not in line
+    db.close()
+
+
+def test_line_says_where_a_run_runs_when_it_is_not_simply_this_machine(tmp_path):
+    db = _db(tmp_path)
+    where = {"b": "10.0.0.7/1a2b3c4d", "c": socket.gethostname()}  # a Ray node; a CPU worker of this machine
+    line = Monitor(tmp_path, ["a", "b", "c", "d"], steps=100, workers=2, where=where).line(db)
+    assert "b: step 40/100 on 10.0.0.7/1a2b3c4d |" in line and "c: evaluating |" in line
     db.close()

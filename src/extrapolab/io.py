@@ -210,14 +210,16 @@ def run_lock_path(run_dir: str | Path) -> Path:
 
 
 @contextmanager
-def run_lock(run_dir: str | Path, owner: str = "") -> Iterator[None]:
+def run_lock(run_dir: str | Path, owner: str = "", wait: float = 0.0) -> Iterator[None]:
     """Exclusive use of a run folder (training, then evaluating/recording it) by this process.
 
-    Raises a one-line :class:`LockBusy` naming the holder and the fix when another process has it.
+    Raises a one-line :class:`LockBusy` naming the holder and the fix when another process has it
+    (after ``wait`` seconds: a run retried on a cluster waits for its killed attempt's process to go).
     """
     with ExitStack() as stack:
         try:
-            stack.enter_context(file_lock(run_lock_path(run_dir), owner=owner or f"run {Path(run_dir).name}"))
+            stack.enter_context(file_lock(run_lock_path(run_dir), wait=wait,
+                                          owner=owner or f"run {Path(run_dir).name}"))
         except LockBusy as e:
             raise LockBusy(f"run folder {run_dir} is in use by another process ({e.holder or 'pid unknown'}); "
                            "wait for it to finish or stop it, then re-run the same command to resume, "

@@ -59,6 +59,20 @@ DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N (a
 DtypeOpt = typer.Option("auto", "--dtype", help="auto | fp32 | bf16 (auto: bf16 on a GPU that supports it, else fp32)")
 
 
+EngineOpt = typer.Option(None, "--engine", help="local (this machine: sweep.workers, or one run per GPU of "
+                         "sweep.devices) | ray (a Ray cluster; docs/scale-out.md); default: the preset's sweep.engine")
+AddressOpt = typer.Option(None, "--address", help="--engine ray: auto (the cluster this machine joined with `ray "
+                          "start`) | HOST:PORT (its head) | left out: a Ray of this machine only")
+
+
+def engine_overrides(engine: Optional[str], address: Optional[str]) -> list[str]:
+    """``--engine`` / ``--address`` as ``--set sweep.engine=... sweep.address=...`` (JSON strings are YAML)."""
+    import json
+
+    return ([f"sweep.engine={json.dumps(engine)}"] if engine else []) + \
+        ([f"sweep.address={json.dumps(address)}"] if address else [])
+
+
 def run_study(run, preset: str, out: Optional[Path], set_: Optional[List[str]], device: str, dtype: str) -> None:
     """Run one study (``run(preset, out=..., overrides=...)`` -> {"out", "report", "wall_s"}) with the
     --set overrides and the placement flags, then print its summary and where the report is."""

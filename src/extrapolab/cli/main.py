@@ -18,7 +18,7 @@ from . import analyze as analyze_cli
 from . import extend as extend_cli
 from . import regular as regular_cli
 from . import ruler as ruler_cli
-from .common import EVAL_ROPE_HELP, DeviceOpt, DtypeOpt, friendly
+from .common import EVAL_ROPE_HELP, AddressOpt, DeviceOpt, DtypeOpt, EngineOpt, engine_overrides, friendly
 
 app = typer.Typer(
     add_completion=False,
@@ -129,12 +129,15 @@ def sweep(
     set_: Optional[List[str]] = SetOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
+    engine: Optional[str] = EngineOpt,
+    address: Optional[str] = AddressOpt,
 ):
     """Train and evaluate a grid of schemes x seeds x datasets (resumable), then write the report."""
     from ..sweep.sweep import run_sweep
     from ..train.placement import placement_overrides
 
-    res = run_sweep(config_file, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype)])
+    res = run_sweep(config_file, out=out, overrides=[*(set_ or []), *placement_overrides(device, dtype),
+                                                     *engine_overrides(engine, address)])
     typer.echo(f"report: {res['report']}")
 
 
@@ -148,6 +151,8 @@ def demo(
     set_: Optional[List[str]] = SetOpt,
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
+    engine: Optional[str] = EngineOpt,
+    address: Optional[str] = AddressOpt,
 ):
     """The main job: train a set of schemes on the embedded code corpus, test long, write the report."""
     from ..sweep.sweep import run_sweep
@@ -155,7 +160,7 @@ def demo(
 
     preset = {"paper": "full"}.get(preset, preset)
     res = run_sweep(f"demo-{preset}" if not preset.endswith((".yaml", ".yml")) else preset, out=out,
-                    overrides=[*(set_ or []), *placement_overrides(device, dtype)])
+                    overrides=[*(set_ or []), *placement_overrides(device, dtype), *engine_overrides(engine, address)])
     typer.echo(f"report: {res['report']}  (wall time {res['wall_s']:.0f} s)")
 
 
@@ -205,9 +210,22 @@ def bench(
     sinks: Optional[str] = typer.Option(None, "--sinks", help="--hf: also E5 decoding with K attention sinks and a "
                                         "W-token window (StreamingLLM), K:W, e.g. 4:1024, timed against "
                                         "transformers' rotated-key cache of the same size"),
+    sweep_: bool = typer.Option(False, "--sweep", help="instead of the schemes, runs per hour of one smoke sweep "
+                                "(8 runs) on the local engine (1 and 2 workers) and on a two-node Ray cluster, and "
+                                "each engine's overhead per run (docs/scale-out.md)"),
+    address: Optional[str] = typer.Option(None, "--address", help="--sweep: the Ray cluster to time (HOST:PORT or "
+                                          "auto); default: two one-CPU nodes started on this machine"),
 ):
     """Speed/memory of every scheme as ratios to bias-free SDPA, all measured in this one process (E8)."""
     from ..io import UserError, atomic_write_json
+
+    if sweep_:  # the executor: local workers against Ray tasks
+        from ..sweep.bench import bench_sweep, format_sweep_bench
+
+        res = bench_sweep(address, say=lambda m: typer.echo(m, err=True))
+        atomic_write_json(out, res)
+        typer.echo(format_sweep_bench(res))
+        return
 
     if hf:  # a real model: our E1 against the model's own forward
         from ..hf.bench import bench_hf_eval, format_hf_eval

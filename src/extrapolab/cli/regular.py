@@ -15,7 +15,7 @@ import yaml
 
 from ..io import UserError, atomic_write_json
 from ..positional.base import SchemeError
-from .common import DeviceOpt
+from .common import AddressOpt, DeviceOpt
 
 app = typer.Typer(help="RegularGPT and the regular-language length-generalisation benchmark (thesis ch. 6).",
                   no_args_is_help=True, add_completion=False)
@@ -183,6 +183,11 @@ def table(
                                     "on --device to project it (0: no probe)"),
     device: str = DeviceOpt,
     dtype: str = REG_DTYPE,
+    engine: str = typer.Option("local", "--engine", help="local (this machine) | ray (a Ray cluster; docs/scale-out.md)"),
+    address: Optional[str] = AddressOpt,
+    devices: str = typer.Option("auto", "--devices", help="GPU runs: the GPUs to use, e.g. 0,2,3 (auto: every "
+                                "visible one; one worker per GPU)"),
+    runs_per_device: int = typer.Option(1, "--runs-per-device", help="GPU runs: runs packed onto one GPU at once"),
 ):
     """Thesis Table 6.1 in one command (resumable: finished runs are reused).
 
@@ -190,6 +195,7 @@ def table(
 
     table.md ends with the measured compute time and the projection for missing runs (--plan: only that).
     """
+    from ..executor import EngineSpec
     from ..regular.plan import plan as plan_table
     from ..regular.plan import plan_lines
     from ..regular.table import THESIS_GAPS, regular_table
@@ -201,8 +207,10 @@ def table(
         wt = plan_table(out, tasks, models, seeds, budget, _per_model(run_opt), only, probe_steps, **over)
         typer.echo("\n".join(plan_lines(wt)))
         return
+    eng = EngineSpec.from_dict({"engine": engine, "address": address, "devices": devices, "workers": workers,
+                                "runs_per_device": runs_per_device}, where="--")
     res = regular_table(out, tasks, models, seeds, progress, _per_model(run_opt), skip_missing, budget,
-                        workers=workers, threads=threads, only=only, **over)
+                        workers=workers, threads=threads, only=only, engine=eng, **over)
     for line in res["skipped"]:
         typer.echo(line, err=True)
     typer.echo((Path(out) / "table.md").read_text())

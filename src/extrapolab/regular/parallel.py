@@ -1,19 +1,20 @@
-"""Run many independent regular-benchmark runs at once (``regular table --workers N``).
+"""Many independent regular-benchmark runs at once (``regular table --workers N``, ``--engine ray``), through
+the one executor of every many-run job (executor/, docs/scale-out.md).
 
 Each (task, model, seed) run is single-process and small, so a many-core CPU is used best by N
-worker processes of ``threads`` torch threads each rather than one process with many threads.
-Workers are spawned (not forked: a forked torch thread pool can deadlock) and every run writes its
-own folder atomically, so a killed table keeps every finished run and resumes from there.
+worker processes of ``threads`` torch threads each rather than one process with many threads; on a GPU
+node each worker gets its GPU (``--devices``, ``--runs-per-device``), on a Ray cluster each run is a task.
+Every run writes its own folder atomically, so a killed table keeps every finished run and resumes
+from there (a run cut short starts over: these runs are minutes long and keep no checkpoint).
 Jobs start longest-first (a static cost guess, ``job_cost``) so the last worker is not left alone
 with the slowest run.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
 from tqdm.auto import tqdm
+
+from ..executor import Executor, Job
+from ..executor.core import cpu_count  # noqa: F401 - table.json records the CPUs
 
 #: relative cost of one run by model column (measured on the quick budget: the O(T^2) transformer
 #: is the slowest, the RNN the fastest); tasks tested up to 500 (Deletang) cost about twice more
@@ -26,53 +27,33 @@ def job_cost(model: str, family: str) -> float:
     return COLUMN_COST.get(model, 1.0) * (2.0 if family == "deletang" else 1.0)
 
 
-def _init_worker(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(max(1, int(threads)))
-
-
 def _describe(key) -> str:
     return "/".join(str(k) if not isinstance(k, int) else f"seed{k}" for k in key)
 
 
-def run_jobs(jobs: dict, fn, workers: int = 1, threads: int = 1, progress: bool = True) -> dict:
-    """``jobs``: key -> (cfg, run_dir, cost); ``fn(cfg, run_dir, progress, train)`` trains one
-    run and returns its result (a picklable, module-level function). Returns key -> result.
+def run_jobs(jobs: dict, fn, ex: Executor, threads: int = 1, progress: bool = True) -> dict:
+    """``jobs``: key -> (cfg, run_dir, cost); ``fn(cfg, run_dir, progress, train)`` trains one run and
+    returns its result (a picklable, module-level function). Returns key -> result.
 
-    workers <= 1 runs in this process, in the given order, with per-run progress bars. Otherwise
-    ``workers`` spawned processes take the jobs longest-first; a failing run stops the pool
-    (queued runs are cancelled, finished ones stay on disk) and its error is raised here.
+    In the driver (one CPU slot) the runs go in the given order, with per-run progress bars. Otherwise
+    the executor's workers (or Ray tasks) take them longest-first, ``threads`` torch threads each; a
+    failing run stops handing out runs (finished ones stay on disk) and its error is raised here.
     """
-    if workers <= 1 or not jobs:  # one job with workers > 1 still gets its own `threads`
-        return {k: fn(cfg, run_dir, progress, True) for k, (cfg, run_dir, _) in jobs.items()}
-    order = sorted(jobs, key=lambda k: -jobs[k][2])
+    order = list(jobs) if ex.in_process else sorted(jobs, key=lambda k: -jobs[k][2])
+    keys = {_describe(k): k for k in order}
     out: dict = {}
-    workers = min(int(workers), len(order))
-    bar = tqdm(total=len(order), desc=f"runs ({workers} workers)", disable=not progress, unit="run")
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                             initargs=(threads,)) as pool:
-        pending = {pool.submit(fn, jobs[k][0], jobs[k][1], False, True): k for k in order}
-        try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    key = pending.pop(fut)
-                    out[key] = fut.result()  # re-raises a worker's error
-                    bar.update(1)
-                    bar.set_postfix_str(_describe(key))
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
-        finally:
-            bar.close()
-    return out
+    bar = tqdm(total=len(order), desc=f"runs ({ex.describe(min(ex.slots, len(order)))})", unit="run",
+               disable=not progress or ex.in_process or not order)
 
+    def done(job: Job, res) -> None:
+        out[keys[job.key]] = res
+        bar.update(1)
+        bar.set_postfix_str(job.key)
 
-def cpu_count() -> int:
-    """CPUs this process may use (the affinity mask, e.g. a container's share)."""
+    runs = [Job(_describe(k), fn, (jobs[k][0], jobs[k][1], progress and ex.in_process, True), tag=_describe(k),
+                threads=0 if ex.in_process else threads) for k in order]
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        ex.run(runs, on_result=done)
+    finally:
+        bar.close()
+    return out

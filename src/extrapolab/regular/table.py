@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..executor import EngineSpec, open_executor, worker
 from ..io import UserError, atomic_write_json, atomic_write_text
 from .columns import (BUDGETS, DEFAULT_MODELS, MODEL_GROUPS, MODEL_SPECS, MODERN_COLUMNS, RANDOM_COLUMNS,  # noqa: F401
                       available, budget_options, run_config)
@@ -46,7 +47,7 @@ def ensure_run(cfg: RegularRunConfig, run_dir: Path, progress: bool = True, trai
             pass
     if not train:
         return None
-    out = run(cfg, run_dir, progress=progress)
+    out = run(replace(cfg, device=worker.device(cfg.device)), run_dir, progress=progress)  # a GPU slot: its GPU
     out.pop("model", None)
     return out
 
@@ -121,7 +122,8 @@ def _planned(tasks, models, seeds: int, budget: str, per_model: dict, overrides:
 
 def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bool = True,
                   per_model: dict | None = None, skip_missing: bool = False, budget: str = "quick",
-                  workers: int = 1, threads: int = 1, only=None, **overrides) -> dict:
+                  workers: int = 1, threads: int = 1, only=None, engine: EngineSpec | None = None,
+                  **overrides) -> dict:
     """Run (or reuse) every (task, model, seed) and write table.json, table.md and plots.
 
     ``budget``: a preset of ``BUDGETS`` ("quick" on a CPU, "thesis" = Table 6.5 sizes);
@@ -130,6 +132,8 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
     ``skip_missing``: only tabulate runs already on disk (cells without runs show "—").
     ``workers`` > 1: train the missing runs in that many spawned processes of ``threads`` torch
     threads each (see ``parallel.py``); the table records this invocation's wall-clock time.
+    ``engine``: how the runs are executed (executor/spec.py: a Ray cluster, GPUs of this machine; its
+    ``workers`` is this ``workers``).
     ``only``: "TASK:COLUMN,..." cells to run and tabulate instead of the whole tasks x models grid
     (e.g. ``THESIS_GAPS``). ``device`` / ``precision`` in ``overrides`` place every run (see
     ``RegularRunConfig``); they do not change which finished runs are reused.
@@ -145,11 +149,14 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
     cfgs = _planned(tasks, models, seeds, budget, per_model, overrides, cells)
     dirs = {k: out / "runs" / k[0] / k[1] / f"seed{k[2]}" for k in cfgs}
     found = {k: ensure_run(cfg, dirs[k], progress=False, train=False) for k, cfg in cfgs.items()}
-    todo = {} if skip_missing else {k: (cfgs[k], dirs[k], job_cost(k[1], make_task(k[0]).family))
+    todo = {} if skip_missing else {k: (cfgs[k], dirs[k].resolve(), job_cost(k[1], make_task(k[0]).family))
                                     for k, r in found.items() if r is None}
-    if todo:  # a missing device fails here, once, before any run starts
+    engine = EngineSpec(**{**vars(engine or EngineSpec(where="--")), "workers": workers}).validated()
+    if todo:  # a missing device, a bad device list or an unusable cluster fails here, before any run starts
         run_placement(next(iter(todo.values()))[0])
-    found.update(run_jobs(todo, ensure_run, workers, threads, progress))
+        with open_executor(engine, device=str(overrides.get("device") or "auto"), threads=threads, out=out,
+                           device_what="--device") as ex:
+            found.update(run_jobs(todo, ensure_run, ex, threads, progress))
     rows = {}
     for (t, m, s) in cfgs:
         if found[(t, m, s)] is not None:
@@ -158,6 +165,7 @@ def regular_table(out_dir, tasks=None, models=None, seeds: int = 3, progress: bo
              "only": sorted(f"{t}:{m}" for t, m in cells) if cells is not None else None, "skipped": skipped,
              "wall_time": wall_time(out, tasks, models, seeds, budget, per_model, only=only, **overrides)}
     table["invocation"] = {"trained": len(todo), "reused": len(cfgs) - len(todo), "workers": workers,
+                           "engine": engine.engine,
                            "threads": threads if workers > 1 else torch.get_num_threads(),
                            "cpus": cpu_count(), "elapsed_s": None}
     for t in tasks:

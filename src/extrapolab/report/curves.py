@@ -19,7 +19,7 @@ from ..train.records import CURVES, curves, read_rows
 from .db import ResultsDB
 from .plots import plt, save, style
 
-PROTOCOL = "train"  # results.sqlite series: (run_id, "train", 0, name, values), see sweep._run_job
+PROTOCOL = "train"  # results.sqlite series: (run_id, "train", 0, name, values), see sweep/job.py
 
 
 def load_curves(db: ResultsDB) -> tuple[dict, list[str]]:

@@ -1,14 +1,16 @@
 """One live progress line for a sweep: runs finished / running / queued, each running run's step,
 and an ETA from the step times the runs measure.
 
-The line is built by polling what the runs already write (their status in results.sqlite and the
-last row of each run's ``metrics.jsonl``), so it works the same for runs in this process and in
-pool workers. On a terminal it is one rich live line; otherwise (a log file, CI) the same line is
+The line is built by polling the runs' status in results.sqlite (the driver writes it from the phases
+the runs report), the last row of each run's ``metrics.jsonl`` and where the executor placed each run
+(a Ray node, a GPU: shown when it is not simply this machine), so it works the same for runs in this
+process, in pool workers and on a cluster. On a terminal it is one rich live line; otherwise (a log file, CI) the same line is
 printed every ``every`` seconds when it changed.
 """
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import threading
 import time
@@ -50,8 +52,9 @@ class Monitor:
     """``with Monitor(out, run_ids, steps, workers) as mon:`` ... ``mon.say(msg)`` prints above the line."""
 
     def __init__(self, out: Path, run_ids: list[str], steps: int, workers: int, enabled: bool = True,
-                 every: float = 30.0) -> None:
+                 every: float = 30.0, where: dict | None = None) -> None:
         self.out, self.run_ids, self.steps, self.workers = Path(out), list(run_ids), int(steps), max(1, workers)
+        self.where = where if where is not None else {}  # run -> node, kept by the executor (shown when not here)
         self.progress, self.enabled, self.every = enabled, enabled and bool(run_ids), every
         self.console = Console(stderr=True, soft_wrap=True)
         self._stop, self._thread, self._live, self.t0 = threading.Event(), None, None, time.time()
@@ -75,7 +78,9 @@ class Monitor:
         parts = [f"runs {len(done)} done / {len(running)} running / {queued} queued"]
         for r in running:
             st = status[r]["status"]
-            parts.append(f"{r}: " + ("evaluating" if st == "evaluating" else f"step {steps[r][0]}/{self.steps}"))
+            node = self.where.get(r)
+            parts.append(f"{r}: " + ("evaluating" if st == "evaluating" else f"step {steps[r][0]}/{self.steps}")
+                         + (f" on {node}" if node and node != socket.gethostname() else ""))
         if self.phase and not running and not queued:
             parts.append(self.phase)
         elif rates:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import config as C
+from ..executor.spec import EngineSpec
 from ..io import UserError
 
 #: the steps a derived entry may apply to its source run, and the scheme the result has (None: the step's
@@ -125,12 +126,15 @@ class SweepSpec:
     datasets: list[str]
     reference: str
     budget: str = ""
-    workers: int = 1  # runs trained in parallel processes (threads split between them)
+    workers: int = 1  # CPU runs trained in parallel processes (threads split between them)
     cost_rounds: int = 7  # paired rounds of the cost bench pass after training
     models: list[ModelSpec] = field(default_factory=list)  # hf: models evaluated next to the runs
-    #: stop between runs when the next would end past this many seconds of the invocation (0: no
-    #: limit); the same command resumes the rest, so a sweep fits jobs of a short GPU slot
+    #: start no run that would end past this many seconds of the invocation (0: no limit); the same
+    #: command resumes the rest, so a sweep fits jobs of a short GPU slot
     time_budget_s: float = 0.0
+    #: how the runs are executed: engine (local | ray), address, workers, devices, runs_per_device,
+    #: procs_per_run, max_retries (executor/spec.py, docs/scale-out.md)
+    engine: EngineSpec = field(default_factory=EngineSpec)
 
     @classmethod
     def from_dict(cls, d: dict) -> "SweepSpec":
@@ -149,16 +153,16 @@ class SweepSpec:
             raise UserError(f"sweep reference {ref!r} is not one of the swept schemes: {', '.join(labels)}")
         seeds = [int(x) for x in d.get("seeds", [0])]
         datasets = [str(x) for x in d.get("datasets", ["stdlib"])]
-        workers = int(d.get("workers", 1))
+        engine = EngineSpec.from_dict(d, "sweep")
         rounds = int(d.get("cost_rounds", 7))
-        if workers < 1 or rounds < 1:
-            raise UserError(f"sweep.workers and sweep.cost_rounds must be >= 1, got {workers} and {rounds}")
+        if rounds < 1:
+            raise UserError(f"sweep.cost_rounds must be >= 1, got {rounds}")
         models = [ModelSpec.parse(m) for m in d.get("models") or []]
         budget_s = float(d.get("time_budget_s") or 0)
-        if budget_s < 0 or (budget_s and workers > 1):
-            raise UserError(f"sweep.time_budget_s={budget_s:g} needs a value >= 0 and sweep.workers=1 "
-                            f"(got workers={workers}); pass --set sweep.workers=1 or --set sweep.time_budget_s=0")
-        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), workers, rounds, models, budget_s)
+        if budget_s < 0:
+            raise UserError(f"sweep.time_budget_s={budget_s:g} must be >= 0 (0: no limit)")
+        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), engine.workers, rounds, models, budget_s,
+                   engine)
 
     def entry(self, label: str) -> SchemeSpec:
         return next(s for s in self.schemes if s.label == label)

@@ -8,32 +8,40 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
-import os
-import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-import torch
-
 from .. import config as C
-from ..io import LockBusy, UserError, is_locked, run_lock, run_lock_path
+from ..executor import Job, open_executor
+from ..io import UserError, is_locked, run_lock_path
 from ..report.corpora import record_corpora
 from ..report.db import ResultsDB
+from .execute import run_all
+from .job import run_job
 from .progress import Monitor
-from .record import curve_series, evaluate_run_dir, flatten_eval
+from .record import flatten_eval
 from .spec import ModelSpec, SchemeSpec, SweepSpec, entry_config, load_sweep, run_id  # noqa: F401 - the sweep API
 
 
 def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] | None = None,
               progress: bool = True) -> dict:
-    from ..data import prepare
-
     t0 = time.time()
     base, spec = load_sweep(name_or_path, overrides)
-    check_device(base)  # before anything is written: a GPU preset on a machine without one stops here
+    if spec.engine.engine == "local":  # a Ray driver needs no GPU of its own: the cluster's are checked
+        check_device(base)  # before anything is written: a GPU preset on a machine without one stops here
     out = Path(out) if out else Path(base.out_dir) / base.name
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder; pass a new folder (or a sweep's, to resume it)")
+    # devices, the cluster, its resources and storage are checked before anything is written
+    ex = open_executor(spec.engine, device=base.train.device, threads=base.train.threads, out=out)
+    with ex:  # closed (a local pool stopped, a Ray connection shut) as soon as the runs are done, or on an error
+        res = _sweep(name_or_path, out, base, spec, ex, t0, progress)
+    return res
+
+
+def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: float, progress: bool) -> dict:
+    from ..data import prepare
+
     out.mkdir(parents=True, exist_ok=True)
     C.save(base, out / "sweep-config.yaml")
     db = ResultsDB(out / "results.sqlite")
@@ -47,9 +55,9 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
             for seed in spec.seeds if s.derived == derived]
     todo = [(i, d, s, seed) for i, (d, s, seed) in enumerate(grid, 1) if db.status(run_id(d, s, seed)) != "done"]
     n_derived = sum(s.derived for _, _, s, _ in todo)
-    workers = max(1, min(spec.workers, len(todo)))
+    workers = max(1, min(ex.slots, len(todo)))
     _say(progress, f"sweep {base.name}: {len(grid)} runs ({len(grid) - len(todo)} already done, "
-                   f"{workers} worker{'s' if workers > 1 else ''}) -> {out}")
+                   f"{ex.describe(workers)}) -> {out}")
     vocab = {}
     for d in spec.datasets:  # tokenize once, before any worker starts
         cfg = copy.deepcopy(base)
@@ -57,50 +65,39 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
         vocab[d] = int(prepare(cfg.data, progress=progress).vocab_size)
     for line in record_corpora(db, base, spec.datasets):  # the corpus hashes; a resume on another text: warned
         _say(progress, line)
-    jobs = []
+    trains, derived = [], []
+    home = out.resolve()  # runs are told absolute paths: a Ray worker starts in a folder of its own
     n_train = len(todo) - n_derived
     tail = n_train % workers if workers > 1 and n_train > workers else 0  # runs left for the last round
     for n, (i, dataset, scheme, seed) in enumerate(todo):
         rid = run_id(dataset, scheme, seed)
-        holder = is_locked(run_lock_path(out / "runs" / rid))  # _run_job checks again, under the lock
+        holder = is_locked(run_lock_path(out / "runs" / rid))  # run_job checks again, under the lock
         if holder:
             _say(progress, f"[{i}/{len(grid)}] {rid}: skipped, another process is on it ({holder}); "
                            "re-run this sweep later for its results")
             continue
         cfg = entry_config(base, scheme)
-        cfg.name, cfg.out_dir = rid, str(out / "runs")
+        cfg.name, cfg.out_dir = rid, str(home / "runs")
         cfg.train.seed, cfg.data.corpus = seed, dataset
+        cfg.data.cache_dir = str(Path(cfg.data.cache_dir).resolve())
         if workers > 1 and not cfg.train.threads:  # the last round's runs share the cores the pool freed
             share = min(workers, n_derived) if scheme.derived else tail if n >= n_train - tail else workers
-            cfg.train.threads = max(1, (os.cpu_count() or 1) // share)
+            cfg.train.threads = ex.run_threads(share)
         db.mark(rid, dataset=dataset, scheme=scheme.name, label=scheme.label, seed=seed,
                 status="queued", run_dir=str(out / "runs" / rid), config=cfg.to_dict())
         derive = {"source": run_id(dataset, spec.entry(scheme.source), seed), "step": scheme.step} \
             if scheme.derived else None
-        jobs.append((str(out), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}", derive))
-    left = 0  # runs the time budget left for the next invocation
-    with Monitor(out, [j[1] for j in jobs if not j[4]], base.train.steps, workers, enabled=progress) as mon:
-        if workers == 1:
-            took = run_seconds(db)  # what one run took here before: the budget's estimate of the next
-            for n, job in enumerate(jobs):
-                # every invocation starts at least one run (a killed one resumes from its checkpoint)
-                if n and spec.time_budget_s and time.time() - t0 + max(took) > spec.time_budget_s:
-                    left = len(jobs) - n
-                    break
-                t1 = time.time()
-                mon.say(_run_job(job, False))
-                took.append(time.time() - t1)
-        else:  # independent runs in parallel processes; each records its own rows in one transaction
-            trains, derived = [j for j in jobs if not j[4]], [j for j in jobs if j[4]]
-            head, last = (trains[:-tail], trains[-tail:]) if tail else (trains, [])
-            ctx = multiprocessing.get_context("spawn")
-            for group, n_proc in ((head, workers), (last, tail), (derived, min(workers, len(derived)))):
-                if not group:
-                    continue
-                with ProcessPoolExecutor(max_workers=n_proc, mp_context=ctx, initializer=exit_with_parent,
-                                         initargs=(os.getpid(),)) as pool:
-                    for fut in as_completed([pool.submit(_run_job, job, False) for job in group]):
-                        mon.say(fut.result())
+        job = Job(rid, run_job, (str(home), rid, cfg.to_dict(), f"[{i}/{len(grid)}] {rid}", derive,
+                                 spec.engine.procs_per_run), tag=f"[{i}/{len(grid)}] {rid}", threads=cfg.train.threads)
+        if derive:
+            derived.append((job, derive["source"]))
+        else:
+            trains.append(job)
+    with Monitor(out, [j.key for j in trains], base.train.steps, workers, enabled=progress, where=ex.where) as mon:
+        t1 = time.time()
+        left = run_all(ex, db, trains, derived, spec.time_budget_s, t0, mon.say)
+        runs_wall = time.time() - t1
+        ex.close()
         cost = None
         if left:
             mon.say(f"time budget: {left} of {len(grid)} runs left after {time.time() - t0:.0f} s of "
@@ -113,12 +110,15 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
     db.set_meta(last_wall_s=wall, **({"cost_bench": cost} if cost else {}))
     report = rebuild_report(out, wall_s=wall)
     db.close()
-    return {"report": report, "wall_s": wall, "out": out, "runs_left": left}
+    return {"report": report, "wall_s": wall, "out": out, "runs_left": left, "runs_wall_s": runs_wall,
+            "overhead": ex.overhead(), "engine": ex.kind, "slots": ex.slots}
 
 
 def check_device(base: C.RunConfig) -> None:
     """A sweep whose preset asks for CUDA (``train.device: cuda``, e.g. demo-gpu-quick) on a machine without a
     visible GPU: one line naming the way to run it anyway, rather than hours on the CPU or a late failure."""
+    import torch
+
     from ..train import run_placement
 
     dev = str(base.train.device or "auto")
@@ -126,17 +126,6 @@ def check_device(base: C.RunConfig) -> None:
         raise UserError(f"{base.name} asks for a CUDA GPU (train.device={dev}) and none is visible here; run it on a "
                         "GPU machine, or pass --device cpu to run it on the CPU anyway (many times slower)")
     run_placement(base.train)  # any other bad train.device / train.precision, in its own one line
-
-
-def run_seconds(db: ResultsDB) -> list[float]:
-    """Wall seconds (training + evaluation + analysis) of the finished runs recorded in ``db``."""
-    out = []
-    for r in db.runs(status="done"):
-        sm = r["summary"]
-        total = sum(float(sm.get(k) or 0) for k in ("wall_seconds", "eval_wall_s", "analysis_wall_s"))
-        if total > 0:
-            out.append(total)
-    return out
 
 
 def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict, say) -> dict | None:
@@ -153,61 +142,6 @@ def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict,
     res["seconds"] = time.time() - t
     say(f"cost: bench pass done in {res['seconds']:.0f} s")
     return res
-
-
-def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
-    """Worker initializer: end this worker when the sweep process is gone (killed by SIGTERM/SIGKILL,
-    which a process pool does not pass on), so no orphan keeps training and holding a run lock.
-    The run resumes from its last checkpoint when the sweep is started again."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(every_s)
-        os._exit(143)  # like SIGTERM: the parent went away
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def _run_job(job: tuple, progress: bool) -> str:
-    """Train (resuming) and evaluate one sweep run, then record it; runs in a worker process too.
-    A derived entry's job (5th item: {"source": run id, "step": {...}}) makes its run from its source's
-    instead of training (sweep/derived.py)."""
-    from ..data import prepare
-    from ..train import train
-
-    out, rid, cfg_dict, tag, *rest = job
-    derive = rest[0] if rest else None
-    cfg = C.from_dict(C.RunConfig, cfg_dict)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    run_dir = Path(out) / "runs" / rid
-    db = ResultsDB(Path(out) / "results.sqlite")
-    try:  # one process per run: another sweep (or `extrapolab train`) on it -> skip, leave its row alone
-        with run_lock(run_dir, owner=f"sweep {out}: {rid}"):
-            if db.status(rid) == "done":  # finished by another sweep since this one listed it
-                return f"{tag}: done by another process"
-            if derive and db.status(derive["source"]) != "done":
-                return f"{tag}: skipped, its source run {derive['source']} is not done; re-run this sweep after it"
-            db.set_status(rid, "deriving" if derive else "training")
-            data = prepare(cfg.data, progress=False)
-            if derive:
-                from .derived import derive_run
-
-                model_dir, summary = derive_run(Path(out), derive, run_dir, cfg, data)
-            else:
-                model_dir, summary = run_dir, train(cfg, run_dir, data=data, progress=progress)
-            db.set_status(rid, "evaluating")
-            scalars, series, extra = evaluate_run_dir(run_dir, cfg, data, model_dir=model_dir)
-            if not derive:
-                series += curve_series(run_dir, summary)  # the report's training curves
-            db.record(rid, {**summary, **extra}, scalars, series)
-    except LockBusy as e:
-        return (f"{tag}: skipped, another process is on it ({e.holder or 'pid unknown'}); "
-                "re-run this sweep later for its results")
-    finally:
-        db.close()
-    ppl = next((v for p, L, m, v in scalars if p == "nonoverlapping" and L == cfg.model.train_length
-                and m == "ppl"), None)
-    return f"{tag}: done" + (f" (ppl at L_tr {ppl:.2f})" if ppl else "")
 
 
 def evaluate_models(out: Path, base: C.RunConfig, spec: SweepSpec, db: ResultsDB, progress: bool = True) -> None:
