@@ -13,10 +13,6 @@ from extrapolab.config import preset_names
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
-#: links to files another branch adds (the scale-out work); tolerated only while the file is absent
-PENDING = {"docs/scale-out.md"}
-
-
 def _commands() -> list[list[str]]:
     """Each command line of the README's ```bash blocks, continuations joined, comments dropped."""
     out = []
@@ -85,7 +81,7 @@ def test_links_and_picture_are_files():
     links = [t for t in re.findall(r"\]\(([^)#]+)\)", README) if "://" not in t]
     assert links
     missing = {t for t in links if not (ROOT / t).is_file()}
-    assert missing <= {p for p in PENDING if not (ROOT / p).exists()}, f"broken links: {sorted(missing)}"
+    assert not missing, f"broken links: {sorted(missing)}"
     pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README)
     assert len(pictures) == 1
     assert (ROOT / pictures[0]).stat().st_size < 200_000
