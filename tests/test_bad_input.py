@@ -1,8 +1,8 @@
-"""Bad-input catalogue (docs/reliability.md): 151 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 152 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
-Names & options (11): unknown scheme / scheme option / config key / protocol / preset (closest
-name suggested); negative window; odd Sandwich d̄; C < 2 for sliding-dilated; a KERPLE exponent
+Names & options (12): unknown scheme / scheme option / config key / protocol / preset (closest
+name suggested); an unknown eval.attention; negative window; odd Sandwich d̄; C < 2 for sliding-dilated; a KERPLE exponent
 (learned, capped at 2, so not an option); T5 with one bucket; model.dim not divisible by heads.
 Lengths & memory (6): learned APE beyond L_tr; L_ex too big for dense attention (blocked instead);
 a batch that does not fit (one row at a time); a row that does not fit (explained); L_ex longer
@@ -185,6 +185,7 @@ def copy_run(tiny, tmp_path) -> Path:
      ["r2 must be", "in (0, 2]", "Fact 3.5", "e.g. r2=1.0"]),
     ("t5 one bucket", ["model.scheme=t5", "model.scheme_params={num_buckets: 1}"], ["num_buckets >= 2"]),
     ("dim vs heads", ["model.dim=30", "model.heads=4"], ["divisible by model.heads=4"]),
+    ("unknown eval.attention", ["eval.attention=fast"], ["eval.attention must be one of auto,", "blocked"]),
 ])
 def test_bad_names_and_options(case, over, needles, tmp_path):
     raises(case, lambda: C.resolve(None, [f"out_dir={tmp_path}", *over]), *needles)

@@ -74,3 +74,26 @@ def test_attention_temperature_is_applied():
     a, b = evaluate(g, tok, **kw), evaluate(g, tok, temperature=0.5, **kw)
     assert b["settings"]["temperature"] == 0.5
     assert a["nonoverlapping"]["16"]["nll"] != pytest.approx(b["nonoverlapping"]["16"]["nll"], rel=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "plain", "sdpa"])
+def test_eval_attention_is_the_path_every_protocol_runs_on(impl, monkeypatch):
+    """``eval.attention`` reaches every forward of E1 and E3 (e.g. `blocked` for a GPU demo: no FlexAttention
+    compile per scheme and length) and scores what `auto` scores; the results record it."""
+    g, tok = _gpt("t5"), _stream()
+    seen, real = [], type(g).forward
+
+    def spy(self, *a, opts=None, **kw):
+        seen.append(opts.impl if opts is not None else None)
+        return real(self, *a, opts=opts, **kw)
+
+    monkeypatch.setattr(type(g), "forward", spy)
+    kw = dict(protocols=["nonoverlapping", "last_token"], lengths=[8, 32], num_tokens=64, last_token_n=6)
+    base = evaluate_config(g, tok, EvalConfig(**kw), train_length=8)
+    assert set(seen) == {"auto"} and base["settings"]["attention"] == "auto"
+    seen.clear()
+    r = evaluate_config(g, tok, EvalConfig(attention=impl, **kw), train_length=8)
+    assert seen and set(seen) == {impl} and r["settings"]["attention"] == impl
+    for p in kw["protocols"]:
+        for L in ("8", "32"):
+            assert r["ppl"][p][L] == pytest.approx(base["ppl"][p][L], rel=1e-5)

@@ -119,6 +119,10 @@ class EvalConfig:
     #: positions at evaluation: "train" (as train.positions: random runs are scored at random positions,
     #: as Ruoss et al.'s code does), "contiguous", or "random:L_MAX"
     positions: str = "train"
+    #: the evaluation forward's attention implementation (model/attention.py IMPLS, docs/attention.md "Which path
+    #: runs when"): auto | flex | sdpa | blocked | plain | folded. "blocked" scores every length on the fused
+    #: kernels with each query block's own mask (no FlexAttention compile per scheme and length, no L x L tensor)
+    attention: str = "auto"
 
 
 @dataclass
@@ -308,8 +312,9 @@ def validate(cfg: RunConfig) -> None:
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
     from .model.attention import IMPLS
-    if cfg.train.attention not in IMPLS:
-        raise ConfigError(f"train.attention must be one of {', '.join(IMPLS)}, got {cfg.train.attention!r}")
+    for key, impl in (("train.attention", cfg.train.attention), ("eval.attention", cfg.eval.attention)):
+        if impl not in IMPLS:
+            raise ConfigError(f"{key} must be one of {', '.join(IMPLS)}, got {impl!r}")
     if any(L < 1 for L in cfg.eval.lengths):
         raise ConfigError(f"eval.lengths must be positive, got {cfg.eval.lengths}")
     if cfg.eval.erf_length < 0 or cfg.eval.erf_segments < 1 or not 0 < cfg.eval.trf_eps < 1:

@@ -135,7 +135,7 @@ def evaluate(
         out = BlockwiseCausal(model, block) if bca else model
         return RandomPositions(out, L_max, seed=L) if L_max else out  # one seeded stream per length
     out: dict = {"train_length": m, "lengths": Ls, "protocols": protos, "settings": {
-        "num_tokens": int(num_tokens), "sliding_stride": stride, "last_token_n": int(last_token_n),
+        "attention": opts.impl, "num_tokens": int(num_tokens), "sliding_stride": stride, "last_token_n": int(last_token_n),
         "position_length": pos_len, "position_segments": int(position_segments),
         "cache_window": window, "cache_sinks": -1 if k is None else k, "cache_tokens": cache_tokens,
         "delta": float(delta),
@@ -204,5 +204,7 @@ def evaluate_config(model: nn.Module, tokens, eval_cfg, train_length: int, **kw)
     args = {f: getattr(eval_cfg, f) for f in fields if hasattr(eval_cfg, f)}
     if getattr(eval_cfg, "positions", "train") != "train":
         args["positions"] = eval_cfg.positions
+    if getattr(eval_cfg, "attention", "auto") != "auto" and kw.get("opts") is None:
+        args["opts"] = AttnOptions(impl=eval_cfg.attention)  # eval.attention: the path every protocol runs on
     args.update(kw)
     return evaluate(model, tokens, train_length=train_length, **args)
