@@ -41,6 +41,21 @@ def test_demo_smoke_writes_the_report(smoke):
     assert vals and all(1.0 < v < 1e6 for v in vals)
 
 
+def test_wall_time_by_stage_is_recorded_and_reported(smoke):
+    """The invocation's wall time by stage (what a results page quotes: tokenize, runs, cost pass, report) adds
+    up to the sweep's wall time and is printed in the report's note."""
+    import json
+
+    out, wall = smoke[2]["out"], smoke[2]["wall_s"]
+    con = sqlite3.connect(out / "results.sqlite")
+    meta = {k: json.loads(v) for k, v in con.execute("SELECT key, value FROM meta")}
+    stages = meta["stages_s"]
+    assert list(stages) == ["start", "tokenize", "runs", "models", "cost", "report"]
+    assert all(v >= 0 for v in stages.values()) and stages["runs"] > 0
+    assert sum(stages.values()) == pytest.approx(wall, abs=0.5 + 0.02 * wall)  # stages cover the invocation
+    assert f"tokenize {stages['tokenize']:.0f} s, runs {stages['runs']:.0f} s" in (out / "report.html").read_text()
+
+
 def test_cost_section_is_one_bench_pass_and_per_run_figures_have_no_ratios(smoke):
     """E8 ratios come from one process at the sweep's own sizes; per-run wall clock is only listed."""
     from extrapolab.report.db import ResultsDB

@@ -132,6 +132,12 @@ def cost_table(db: ResultsDB) -> str:
     return "\n".join(rows) + "\n"
 
 
+def stage_times(stages: dict | None) -> str:
+    """`` (start 3 s, tokenize 21 s, runs 300 s, ...)``: the last invocation's wall time by stage (meta stages_s;
+    "runs" is training and evaluation in the workers, each run's own split is in the per-run table)."""
+    return " (" + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items()) + ")" if stages else ""
+
+
 def build_report(out: Path, wall_s: float | None = None) -> Path:
     out = Path(out)
     db = ResultsDB(out / "results.sqlite")
@@ -224,7 +230,8 @@ def build_report(out: Path, wall_s: float | None = None) -> Path:
     wall = wall_s if wall_s is not None else meta.get("last_wall_s")
     note = (f"Preset <b>{html.escape(str(meta.get('preset')))}</b> — budget: {html.escape(str(meta.get('budget', '')))}. "
             f"{len(runs)} finished runs; seeds {meta.get('seeds')}; datasets {meta.get('datasets')}. "
-            + (f"Sweep wall time {wall:.0f} s. " if isinstance(wall, (int, float)) else "")
+            + (f"Sweep wall time {wall:.0f} s" + stage_times(meta.get("stages_s")) + ". "
+               if isinstance(wall, (int, float)) else "")
             + f"Generated {dt.datetime.now().isoformat(timespec='seconds')} on {html.escape(platform.platform())}. "
             "Every number is read from results.sqlite; `extrapolab report DIR` regenerates this page.")
     atomic_write_text(out / "report.html", page(f"extrapolab report: {meta.get('name', out.name)}", sections, note))

@@ -58,11 +58,13 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
     workers = max(1, min(ex.slots, len(todo)))
     _say(progress, f"sweep {base.name}: {len(grid)} runs ({len(grid) - len(todo)} already done, "
                    f"{ex.describe(workers)}) -> {out}")
-    vocab = {}
+    vocab, stages = {}, {"start": time.time() - t0}  # wall seconds of this invocation by stage (meta stages_s)
+    t1 = time.time()
     for d in spec.datasets:  # tokenize once, before any worker starts
         cfg = copy.deepcopy(base)
         cfg.data.corpus = d
         vocab[d] = int(prepare(cfg.data, progress=progress).vocab_size)
+    stages["tokenize"] = time.time() - t1
     for line in record_corpora(db, base, spec.datasets):  # the corpus hashes; a resume on another text: warned
         _say(progress, line)
     trains, derived = [], []
@@ -96,19 +98,28 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
     with Monitor(out, [j.key for j in trains], base.train.steps, workers, enabled=progress, where=ex.where) as mon:
         t1 = time.time()
         left = run_all(ex, db, trains, derived, spec.time_budget_s, t0, mon.say)
-        runs_wall = time.time() - t1
+        runs_wall = stages["runs"] = time.time() - t1
         ex.close()
         cost = None
         if left:
             mon.say(f"time budget: {left} of {len(grid)} runs left after {time.time() - t0:.0f} s of "
                     f"sweep.time_budget_s={spec.time_budget_s:g}; run the same command again to continue")
         else:
+            t1 = time.time()
             evaluate_models(out, base, spec, db, False)
+            stages["models"] = time.time() - t1
             mon.phase = "cost: one bench pass over the schemes (seconds to a minute)"
+            t1 = time.time()
             cost = cost_section(db, base, spec, vocab, mon.say)
+            stages["cost"] = time.time() - t1
+    t1 = time.time()
+    db.set_meta(stages_s={k: round(v, 1) for k, v in stages.items()}, **({"cost_bench": cost} if cost else {}))
+    report = rebuild_report(out, wall_s=time.time() - t0)
+    stages["report"] = time.time() - t1
     wall = time.time() - t0
-    db.set_meta(last_wall_s=wall, **({"cost_bench": cost} if cost else {}))
-    report = rebuild_report(out, wall_s=wall)
+    db.set_meta(last_wall_s=wall, stages_s={k: round(v, 1) for k, v in stages.items()})
+    _say(progress, "wall time by stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
+         + f"; {wall:.0f} s in all")
     db.close()
     return {"report": report, "wall_s": wall, "out": out, "runs_left": left, "runs_wall_s": runs_wall,
             "overhead": ex.overhead(), "engine": ex.kind, "slots": ex.slots}
