@@ -352,7 +352,7 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
     if scheme.learnable:  # the finite pattern of this forward's table, built on the device once
         bm = db.memo(key, lambda: block_mask(_finite(bias, window), Lq, Lk, a - c))
     else:
-        bm = _kept_mask(scheme, key, lambda: _finite(bias, window), Lq, Lk, a - c)
+        bm = kept_mask(scheme, key, lambda: _finite(bias, window), Lq, Lk, a - c)
     dev = q.device
     off = db.memo(("off", dev, a - c), lambda: torch.full((), a - c, device=dev, dtype=torch.int64))
     inv_tau = db.memo(("inv_tau", dev, float(tau), bias.dtype),
@@ -389,7 +389,7 @@ def with_lse(fn, q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     return out, aux.lse
 
 
-def _kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):
+def kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):
     """The BlockMask of a pattern that does not change with the scheme's parameters, kept on the scheme as
     (finite, BlockMask): the tensor lets ``cached`` see inference mode."""
     hit = scheme.cached(key)
@@ -414,7 +414,7 @@ def flex_rows_path(q, k, v, a: int, c: int, scheme, layer: int, *, scale: float,
         d = torch.arange(n, device=dev)
         return torch.ones_like(d, dtype=torch.bool) if window is None else d < window
 
-    bm = _kept_mask(scheme, ("flexrows", dev, Lq, Lk, a - c, window), finite, Lq, Lk, a - c)
+    bm = kept_mask(scheme, ("flexrows", dev, Lq, Lk, a - c, window), finite, Lq, Lk, a - c)
     wp = torch.float64 if q.dtype == torch.float64 else torch.float32  # FlexAttention's working precision
     inv_tau = torch.full((), 1.0 / tau, device=dev, dtype=wp)
     if tau_h is None:
