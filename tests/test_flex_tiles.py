@@ -151,13 +151,14 @@ def _qkv(L, dtype=torch.bfloat16, H=4, D=64, seed=0):
     return tuple(torch.randn(1, H, L, D, generator=g).to(dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("name", ["alibi", "kerple-log", "t5"])
+@pytest.mark.parametrize("name", ["alibi", "kerple-log", "sandwich", "t5"])
 def test_out_of_resource_first_rung_retries_once_on_the_smaller_rung(monkeypatch, name):
-    """A table scheme's first choice is the plan's largest rung; ALiBi's score_mod gathers nothing (closed form),
-    so its first choice is torch's default; either way a failure retries the next rung, once."""
+    """A table scheme's first choice is the plan's largest rung; ALiBi's and KERPLE's score_mods gather nothing
+    (closed forms), so their first choice is torch's default; either way a failure retries the next rung, once."""
     gather = flex.table_form(positional.build(name, num_heads=4), 0) == "table"
+    assert gather == (name in ("sandwich", "t5"))
     first, second = plan(H100, torch.bfloat16, 64, gather)
-    assert (first is None) == (name == "alibi")
+    assert (first is None) == (not gather)
     c = _compiled(monkeypatch, fail=[first])
     s = positional.build(name, num_heads=4)
     q, k, v = _qkv(160)

@@ -383,7 +383,7 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
             try:
                 out = flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
                                                window=opts.window, tau_h=tau_h)
-                opts.ran(path)
+                opts.ran(flex.path_name(scheme, layer, scheme.learnable and torch.is_grad_enabled()))
                 return out, None
             except flex.Unavailable as why:  # never the eager dense fallback nor a traceback: the Toeplitz path
                 flex.warn_unavailable(q, k, scheme.learnable, why)
