@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from ..io import UserError
 from ..positional.base import PositionalScheme
-from . import flex, nearfar
+from . import flex, flex_pieces, nearfar
 from .flex_content import flex_content_path
 from .folded import fold_block, folded_attention, pays_long_eval, token_positions
 from .reference import LogitsSink, dense_attention, row_tau, sink_rows
@@ -355,6 +355,11 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
         try:
+            if flex_pieces.applies(scheme, torch.is_grad_enabled() and (grad or scheme.learnable)):
+                out = flex_pieces.pieces_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau,
+                                              window=opts.window, tau_h=tau_h)  # tiles of few pieces: no MLP
+                opts.ran("flex-pieces")
+                return out, None
             out = flex.flex_rows_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau, window=opts.window,
                                       tau_h=tau_h)
             opts.ran("flex-rows")

@@ -330,8 +330,10 @@ def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sel.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
 
 
-def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BLOCK):
-    """BlockMask of :func:`mask_mod_for` for Lq queries over Lk keys, without an Lq x Lk tensor.
+def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BLOCK,
+               select: torch.Tensor | None = None):
+    """BlockMask of :func:`mask_mod_for` for Lq queries over Lk keys, without an Lq x Lk tensor; ``select``
+    [QB, KB] bool keeps only those blocks (the flex-pieces path splits the tiles between two calls).
 
     For a (query block, key block) pair the distances that occur are exactly the integers in
     [q_lo - k_hi, q_hi - k_lo]; the prefix sums of ``finite`` count the visible ones.
@@ -349,9 +351,17 @@ def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BL
     whole = ((q_hi - q_lo + 1 == block)[:, None]) & ((k_hi - k_lo + 1 == block)[None])  # [QB, KB]
     full = whole & (d_lo >= 0) & (d_hi < n) & (seen == d_hi - d_lo + 1)  # edge blocks stay partial
     partial = (seen > 0) & ~full
+    if select is not None:
+        full, partial = full & select, partial & select
     off_t = torch.full((), off, device=dev, dtype=torch.int64)  # filled on the device: no host copy
+    mod = mask_mod_for(finite, off_t)
+    if select is not None:  # the mask_mod says it too: eager FlexAttention (the CPU) reads the mask_mod alone
+        sel, inner = select.contiguous(), mod
+
+        def mod(b, h, q_idx, kv_idx):
+            return inner(b, h, q_idx, kv_idx) & sel[q_idx // block, kv_idx // block]
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block,
-                                    mask_mod=mask_mod_for(finite, off_t), seq_lengths=(Lq, Lk))
+                                    mask_mod=mod, seq_lengths=(Lq, Lk))
 
 
 def _finite(table: torch.Tensor, window: int | None) -> torch.Tensor:

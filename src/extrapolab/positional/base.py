@@ -288,6 +288,11 @@ class PositionalScheme(nn.Module):
         return type(self).flex_bias is not PositionalScheme.flex_bias
 
     @property
+    def has_flex_pieces(self) -> bool:
+        """The scheme's bias is linear pieces of a separable input (``flex_pieces``; FIRE)."""
+        return type(self).flex_pieces is not PositionalScheme.flex_pieces
+
+    @property
     def learnable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
 
