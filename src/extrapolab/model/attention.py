@@ -112,6 +112,10 @@ class AttnOptions:
     #: a dict to count the paths attend() ran, per call ({"flex": 12, "toeplitz": 2}), fallbacks included:
     #: what `extrapolab bench` prints per scheme and row; None (default) counts nothing
     paths: dict | None = None
+    #: the exact routes of docs/attention.md where their switches allow them: the near-far path for T5
+    #: (nearfar.AUTO_CUDA / AUTO_CPU), closed-form score_mods (flex.CLOSED_FORM), FIRE's pieces (flex_pieces.ENABLED);
+    #: False: the paths as before them, the gathered table and FIRE's MLP at every score (bench's SCHEME+table rows)
+    exact_routes: bool = True
 
     def ran(self, path: str) -> None:
         """Count one call of ``path`` in :attr:`paths` (when it is a dict)."""
@@ -217,8 +221,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     if sinks:  # the Toeplitz, flex and split kernels have no sink column: each block's dense mask with it
         return "fallback", block
     if toeplitz:
-        if near_far and not scheme.has_weight and (impl == "nearfar" or (impl == "auto" and nearfar.pays(
-                device, Lq, D, dtype))):
+        if near_far and not scheme.has_weight and (impl == "nearfar" or (
+                impl == "auto" and opts.exact_routes and nearfar.pays(device, Lq, D, dtype))):
             return "nearfar", min(int(opts.block_size), TOEPLITZ_BLOCK)
         if take_flex():
             return "flex", None
@@ -355,7 +359,7 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
         try:
-            if flex_pieces.applies(scheme, torch.is_grad_enabled() and (grad or scheme.learnable)):
+            if opts.exact_routes and flex_pieces.applies(scheme, torch.is_grad_enabled() and (grad or scheme.learnable)):
                 out = flex_pieces.pieces_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau,
                                               window=opts.window, tau_h=tau_h)  # tiles of few pieces: no MLP
                 opts.ran("flex-pieces")
@@ -387,8 +391,8 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
         if path == "flex":
             try:
                 out = flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
-                                               window=opts.window, tau_h=tau_h)
-                opts.ran(flex.path_name(scheme, layer, scheme.learnable and torch.is_grad_enabled()))
+                                               window=opts.window, tau_h=tau_h, closed=opts.exact_routes)
+                opts.ran(flex.path_name(scheme, layer, scheme.learnable and torch.is_grad_enabled(), opts.exact_routes))
                 return out, None
             except flex.Unavailable as why:  # never the eager dense fallback nor a traceback: the Toeplitz path
                 flex.warn_unavailable(q, k, scheme.learnable, why)

@@ -293,25 +293,26 @@ def score_mod_scaled(inv_tau: torch.Tensor):
     return score_mod
 
 
-def table_form(scheme, layer: int, learn: bool = False) -> str:
+def table_form(scheme, layer: int, learn: bool = False, closed: bool = True) -> str:
     """How the flex path writes a distance-table scheme's score_mod: "mask" (``mask_only``: no term), "alibi"
     (the ALiBi form, closed form from the slopes), "closed" (the scheme's ``closed_form``, with :data:`CLOSED_FORM`)
     or "table" (a gather from the [H, n] table, the only form whose tiles :func:`.flex_tiles.plan` shrinks).
     ``learn``: the table needs a gradient in this call; the closed form reads the parameters detached, so it
-    applies then only where :mod:`.table_grad` supplies the gradient (:func:`tracks_table`)."""
+    applies then only where :mod:`.table_grad` supplies the gradient (:func:`tracks_table`); ``closed`` False (the
+    call's ``AttnOptions.exact_routes``): never the closed form."""
     if scheme.mask_only and not scheme.has_weight:
         return "mask"
     if not scheme.has_weight and not scheme.learnable and scheme.alibi_slopes(layer) is not None:
         return "alibi"
-    if (CLOSED_FORM and not scheme.has_weight and (not learn or tracks_table(scheme))
+    if (closed and CLOSED_FORM and not scheme.has_weight and (not learn or tracks_table(scheme))
             and scheme.closed_form(layer) is not None):
         return "closed"
     return "table"
 
 
-def path_name(scheme, layer: int, learn: bool) -> str:
+def path_name(scheme, layer: int, learn: bool, closed: bool = True) -> str:
     """What `attend` counts for a call of :func:`flex_attention_path`: "flex-closed" for a closed form, else "flex"."""
-    return "flex-closed" if table_form(scheme, layer, learn) == "closed" else "flex"
+    return "flex-closed" if table_form(scheme, layer, learn, closed) == "closed" else "flex"
 
 
 def mask_mod_for(finite: torch.Tensor, off: torch.Tensor):
@@ -373,10 +374,11 @@ def _finite(table: torch.Tensor, window: int | None) -> torch.Tensor:
 
 def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *, scale: float,
                         tau: float = 1.0, window: int | None = None,
-                        tau_h: torch.Tensor | None = None) -> torch.Tensor:
+                        tau_h: torch.Tensor | None = None, closed: bool = True) -> torch.Tensor:
     """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c.. (c <= a) -> out [B,H,Lq,D].
 
-    ``tau_h`` [H|1]: the scheme's per-head temperature, dividing q and the table per head.
+    ``tau_h`` [H|1]: the scheme's per-head temperature, dividing q and the table per head; ``closed`` False: the
+    gathered table even where the scheme has a closed form (:func:`table_form`).
     Raises :class:`RecompileLimit` when the compiled kernel is full (attend() then takes the
     Toeplitz path). No host-device synchronisation (module doc)."""
     H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
@@ -397,7 +399,7 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
     inv_tau = db.memo(("inv_tau", dev, float(tau), bias.dtype),
                       lambda: torch.full((), 1.0 / tau, device=dev, dtype=bias.dtype))
     learn = bias.requires_grad and torch.is_grad_enabled()
-    form = table_form(scheme, layer, learn)
+    form = table_form(scheme, layer, learn, closed)
     if form == "mask":
         mod = score_mod_scaled(inv_tau)
     elif form == "alibi":
