@@ -24,19 +24,23 @@ def _qkv(B, H, L, D, seed=3, dtype=torch.float64):
 @pytest.mark.parametrize("shared", [False, True])
 def test_equals_the_reproduction_in_fp64(shared):
     """Queries on both sides of L = 27.4 (whole sequence, a chunk after a cache, a window, a temperature), tiles
-    of 32 and 128: both calls score tiles (32) or the MLP all (128 at 300 tokens), the output equals the dense
+    of 32 (both calls score some) and 128 (at 200 tokens the MLP scores them all): the output equals the dense
     formula to fp64 rounding."""
     s = fire(shared=shared)
-    q, k, v = _qkv(2, 3, 300, 8)
-    pos = torch.arange(300)
-    for qs, kw in ((slice(0, 300), {}), (slice(100, 300), {}), (slice(0, 300), dict(window=50)),
-                   (slice(0, 300), dict(tau=0.7))):
+    q, k, v = _qkv(2, 3, 200, 8)
+    pos = torch.arange(200)
+    for qs, kw in ((slice(0, 200), {}), (slice(70, 200), {}), (slice(0, 200), dict(window=50)),
+                   (slice(0, 200), dict(tau=0.7))):
         for block in (32, 128):
             with torch.no_grad():
                 out = flex_pieces.pieces_path(q[:, :, qs], k, v, qs.start, 0, s, 1, scale=8 ** -0.5,
                                               tau=kw.get("tau", 1.0), window=kw.get("window"), block=block)
             ref = dense(q[:, :, qs], k, v, pos[qs], pos, s, 1, kw.get("window"), kw.get("tau", 1.0))
             torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        psi, inv, t, _, _ = s.flex_pieces(1, 0, 0, 200, 200, torch.float64)
+        few = flex_pieces.tiles(psi, inv, t, 200, 200, 0, None, 32)[1]
+        visible = torch.ones(7, 7, dtype=torch.bool).tril()  # [QB, KB] the tiles with a visible score
+        assert 0 < int((few & visible).sum()) < int(visible.sum())  # some tiles by pieces, some by the MLP
 
 
 class _HeadTau(positional.fire.FIRE):
@@ -47,18 +51,20 @@ class _HeadTau(positional.fire.FIRE):
 def test_attend_takes_it_in_evaluation_only():
     """Without gradients (evaluation) `attend` runs FIRE's rows beyond L on flex-pieces (impl="flex" here; `auto` on
     CUDA, where flex rows ran), equal to the reference path with a per-head temperature; with the parameters'
-    gradients (training) flex rows; flex_pieces.ENABLED = False: flex rows."""
+    gradients (training) flex rows; flex_pieces.ENABLED = False or AttnOptions.exact_routes = False (bench's
+    SCHEME+table rows): flex rows."""
     s = fire()
     s.__class__ = _HeadTau
-    q, k, v = _qkv(1, 3, 200, 8)
-    pos = torch.arange(200)
+    q, k, v = _qkv(1, 3, 90, 8)
+    pos = torch.arange(90)
     ref, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="plain"))
-    for enabled, grad, want in ((True, False, "flex-pieces"), (True, True, "flex-rows"), (False, False, "flex-rows")):
+    for enabled, grad, routes, want in ((True, False, True, "flex-pieces"), (True, True, True, "flex-rows"),
+                                        (False, False, True, "flex-rows"), (True, False, False, "flex-rows")):
         flex_pieces.ENABLED = enabled
         try:
             paths = {}
             with torch.set_grad_enabled(grad):
-                got, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex", paths=paths))
+                got, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex", paths=paths, exact_routes=routes))
         finally:
             flex_pieces.ENABLED = True
         assert paths == {want: 1}, (enabled, grad, paths)

@@ -95,9 +95,11 @@ def test_bf16_within_the_toeplitz_paths_own_bf16_error():
     assert 0 < errs["nearfar"] <= 1.5 * errs["sdpa"], errs
 
 
-def test_when_auto_takes_it():
+def test_when_auto_takes_it(monkeypatch):
     """Evaluation of a whole sequence: CUDA where FlexAttention would run (nearfar.AUTO_CUDA), the CPU from
-    nearfar.CPU_MIN_LENGTH tokens (nearfar.AUTO_CPU); never with gradients, a window, decoding or short inputs."""
+    nearfar.CPU_MIN_LENGTH tokens where nearfar.AUTO_CPU is set (off: slower than the Toeplitz path's blocks there);
+    never with gradients, a window, decoding or short inputs; AttnOptions.exact_routes False: never."""
+    monkeypatch.setattr(nearfar, "AUTO_CPU", True)
     t5 = positional.build("t5", num_heads=4)
     L = max(flex.MIN_LENGTH, nearfar.CPU_MIN_LENGTH)
     kw = dict(same_pos=False, starts=(0, 0), dense_bias=False, grad=False, far=128)
@@ -114,6 +116,7 @@ def test_when_auto_takes_it():
     assert path(q=(1, 4, 1, 64), starts=(L - 1, 0)) == "toeplitz"  # decoding one token
     assert path(starts=(5, 0), q=(1, 4, L - 5, 64)) == "toeplitz"  # a chunk after a KV cache
     assert path(far=None) == flexed  # no constant: the table
+    assert path(opts=AttnOptions(exact_routes=False)) == flexed and path("cpu", opts=AttnOptions(exact_routes=False)) == "toeplitz"
     assert path("cpu", opts=AttnOptions(impl="nearfar"), q=(1, 4, 200, 64), Lk=200) == "nearfar"  # forced
     for flag in ("AUTO_CUDA", "AUTO_CPU"):  # the switches
         old = getattr(nearfar, flag)
@@ -134,7 +137,8 @@ def test_forcing_it_where_it_cannot_run_is_a_one_line_error():
         assert "\n" not in str(err.value)
 
 
-def test_model_evaluation_on_the_cpu_takes_it_and_equals_the_toeplitz_path():
+def test_model_evaluation_on_the_cpu_takes_it_and_equals_the_toeplitz_path(monkeypatch):
+    monkeypatch.setattr(nearfar, "AUTO_CPU", True)
     torch.manual_seed(0)
     m = GPT(ModelConfig(scheme="t5", vocab_size=50, dim=32, heads=2, layers=2, train_length=64,
                         scheme_params={"max_distance": 64}))

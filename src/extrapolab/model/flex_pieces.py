@@ -14,13 +14,14 @@ floating point too: the kernel forms x = ψ[d]·ι[m] from the same two vectors,
 each factor. Away from the diagonal x barely moves across a tile (d changes by at most 2·BLOCK, m by BLOCK), so
 most tiles span at most :data:`SPAN` breakpoints; those are scored by the ``pieces`` call,
 
-    s = s_lo + Σ_{j<SPAN} [x > t[s_lo + j]],    b_h = α_h[s] + β_h[s]·x,
+    b_h = α_h[s_lo] + β_h[s_lo]·x + Σ_{j<SPAN} (β_h[s_lo+j+1] − β_h[s_lo+j])·max(x − t[s_lo+j], 0),
 
-exactly the piece (t sorted; the comparisons count the breakpoints below x past s_lo), a few loads and one
-multiply-add per score. The other tiles (near the diagonal, where d and so x sweep many pieces) are scored by the
+f on its piece s_lo continued through the next SPAN breakpoints (f is continuous, so past t_k its slope changes by
+β[k+1] − β[k]; the split path's ``distance_rows`` writes its bands the same way): every load but ψ[d] is the same for
+the whole tile, and a score costs 1 + SPAN multiply-adds in place of the MLP's W = 32 units. The other tiles (near the diagonal, where d and so x sweep many pieces) are scored by the
 ``rows`` call, the scheme's ``flex_bias`` (the MLP per score) as :func:`.flex.flex_rows_path` does. Every visible
 tile is in exactly one call's block mask, and the two outputs merge by log-sum-exp (model/twopass.py's merge):
-the same softmax, to the rounding of α + β·x against the MLP's sum. :func:`evaluations` counts the scores each call
+the same softmax, to the rounding of the pieces against the MLP's sum. :func:`evaluations` counts the scores each call
 takes (the MLP evaluations saved: docs/attention.md).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from . import flex
 from .twopass import merge
@@ -85,6 +87,7 @@ def calls_of(q, k, a: int, c: int, scheme, layer: int, *, tau: float = 1.0, wind
     s_lo, few = tiles(psi, inv, t, Lq, Lk, off, window, block)
     t_ext = torch.cat([t, t.new_full((SPAN,), math.inf)])  # [K + SPAN]: s_lo + j stays in range
     alpha, beta = alpha.expand(H, -1).contiguous(), beta.expand(H, -1).contiguous()  # [H, K+1]
+    steps = F.pad(beta[:, 1:] - beta[:, :-1], (0, SPAN))  # [H, K + SPAN] the slope's change at each breakpoint
     off_t = torch.full((), off, device=dev, dtype=torch.int64)
     inv_tau = torch.full((), 1.0 / tau, device=dev, dtype=wp)
     inv_h = torch.ones(H, device=dev, dtype=wp) if tau_h is None else \
@@ -94,11 +97,11 @@ def calls_of(q, k, a: int, c: int, scheme, layer: int, *, tau: float = 1.0, wind
 
     def by_pieces(score, b, h, q_idx, kv_idx):
         x = psi[(q_idx - kv_idx + off_t).clamp(0, n - 1)] * inv[q_idx]
-        lo = s_lo[q_idx // block, kv_idx // block]
-        s = lo
-        for j in range(SPAN):
-            s = s + (x > t_ext[lo + j]).to(lo.dtype)
-        return (score + (alpha[h, s] + beta[h, s] * x) * inv_h[h]) * inv_tau
+        lo = s_lo[q_idx // block, kv_idx // block]  # the same for the whole tile, as every load below but ψ's
+        f = alpha[h, lo] + beta[h, lo] * x
+        for j in range(SPAN):  # f is continuous: past breakpoint t_k its slope changes by steps_k
+            f = f + steps[h, lo + j] * torch.relu(x - t_ext[lo + j])
+        return (score + f * inv_h[h]) * inv_tau
 
     mlp = scheme.flex_bias(layer, a, c, Lq, n)
 

@@ -45,10 +45,11 @@ from .twopass import block_plan, fused_forward, merge
 #: path would run). NOT YET MEASURED on a GPU: T5's 32,768-token forward took 3.85x NoPE's on FlexAttention with the
 #: gathered table on an H200 (docs/results/gpu-h200-2026-11-27.md), the goal is 1.5x; False returns it there
 AUTO_CUDA = True
-#: `auto` takes it on the CPU from :data:`CPU_MIN_LENGTH` tokens (evaluation), in place of the Toeplitz path's
-#: Hankel-view mask over every key (docs/attention.md: measured on the 2-core CPU)
-AUTO_CPU = True
-CPU_MIN_LENGTH = 1024
+#: `auto` takes it on the CPU from :data:`CPU_MIN_LENGTH` tokens (evaluation). Off: on the 2-core CPU (one layer, 4
+#: heads of 32, 1 thread, shared with other jobs) it took 1.12-1.65x causal SDPA's time at 2,048-16,384 tokens where
+#: the Toeplitz path's query blocks (dense masks over the keys up to each block) took 1.03-1.22x (docs/attention.md)
+AUTO_CPU = False
+CPU_MIN_LENGTH = 4096
 #: the far pass on CUDA: "sdpa" (SDPA's flash kernel with its log-sum-exp; 16-bit inputs) or "flex" (FlexAttention
 #: with the causal block mask and no score_mod); fp32 inputs always take "flex"
 FAR_KERNEL = "sdpa"
