@@ -159,3 +159,4 @@ def test_cuda_fire_evaluation_takes_flex_pieces(monkeypatch):
     assert paths == {"flex-pieces": 2} and dense_calls == []
     err = float((out - ref).norm() / ref.norm())
     assert err <= 2 * float((low - ref).norm() / ref.norm()) + 1e-3, err
+

@@ -116,7 +116,8 @@ def test_when_auto_takes_it(monkeypatch):
     assert path(q=(1, 4, 1, 64), starts=(L - 1, 0)) == "toeplitz"  # decoding one token
     assert path(starts=(5, 0), q=(1, 4, L - 5, 64)) == "toeplitz"  # a chunk after a KV cache
     assert path(far=None) == flexed  # no constant: the table
-    assert path(opts=AttnOptions(exact_routes=False)) == flexed and path("cpu", opts=AttnOptions(exact_routes=False)) == "toeplitz"
+    off = AttnOptions(exact_routes=False)  # bench's SCHEME+table rows
+    assert path(opts=off) == flexed and path("cpu", opts=off) == "toeplitz"
     assert path("cpu", opts=AttnOptions(impl="nearfar"), q=(1, 4, 200, 64), Lk=200) == "nearfar"  # forced
     for flag in ("AUTO_CUDA", "AUTO_CPU"):  # the switches
         old = getattr(nearfar, flag)

@@ -308,8 +308,9 @@ def validate(cfg: RunConfig) -> None:
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
     from .model.attention import IMPLS
-    if cfg.train.attention not in IMPLS:
-        raise ConfigError(f"train.attention must be one of {', '.join(IMPLS)}, got {cfg.train.attention!r}")
+    trains = [i for i in IMPLS if i != "nearfar"]  # the near-far path runs forward only
+    if cfg.train.attention not in trains:
+        raise ConfigError(f"train.attention must be one of {', '.join(trains)}, got {cfg.train.attention!r}")
     if any(L < 1 for L in cfg.eval.lengths):
         raise ConfigError(f"eval.lengths must be positive, got {cfg.eval.lengths}")
     if cfg.eval.erf_length < 0 or cfg.eval.erf_segments < 1 or not 0 < cfg.eval.trf_eps < 1:

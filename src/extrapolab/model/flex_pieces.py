@@ -1,11 +1,11 @@
 """FIRE's rows on FlexAttention by linear pieces (docs/attention.md, row 7 on CUDA: ``flex-pieces``), forward only.
 
-FIRE's bias (Li et al. 2024, §3) is f_θ(x), x = ψ(m − n)·ι(m), ι(m) = 1/(ψ(max(L, m)) + eps), with f_θ = Linear(1, W)
-→ ReLU → Linear(W, H): piecewise linear in x with K <= W breakpoints t_k, f_h(x) = α_h[s] + β_h[s]·x on the piece
-s = #{k : t_k < x} (``FIRE.pieces``; the scheme hands them over through ``flex_pieces``). The flex-rows path
-evaluates the MLP's W = 32 units at every score: FIRE's 32,768-token forward took 16.2x NoPE's on an H200. But x is
-separable, ψ non-decreasing in the distance and ι non-increasing in the query, so over one of FlexAttention's
-BLOCK x BLOCK tiles of queries [m0, m1] and keys [n0, n1]
+FIRE's bias (Li et al. 2024, §3) is f_θ(x), x = ψ(m − n)·ι(m), ι(m) = 1/(ψ(max(L, m)) + eps), with
+f_θ = Linear(1, W) → ReLU → Linear(W, H): piecewise linear in x with K <= W breakpoints t_k, f_h(x) = α_h[s] +
+β_h[s]·x on the piece s = #{k : t_k < x} (``FIRE.pieces``; the scheme hands them over through ``flex_pieces``).
+The flex-rows path evaluates the MLP's W = 32 units at every score: FIRE's 32,768-token forward took 16.2x NoPE's
+on an H200. But x is separable, ψ non-decreasing in the distance and ι non-increasing in the query, so over one of
+FlexAttention's BLOCK x BLOCK tiles of queries [m0, m1] and keys [n0, n1]
 
     ψ(d_lo)·ι(m1) <= x <= ψ(d_hi)·ι(m0),    d_lo = max(0, m0 − n1), d_hi = m1 − n0 (within the window),
 
@@ -18,11 +18,11 @@ most tiles span at most :data:`SPAN` breakpoints; those are scored by the ``piec
 
 f on its piece s_lo continued through the next SPAN breakpoints (f is continuous, so past t_k its slope changes by
 β[k+1] − β[k]; the split path's ``distance_rows`` writes its bands the same way): every load but ψ[d] is the same for
-the whole tile, and a score costs 1 + SPAN multiply-adds in place of the MLP's W = 32 units. The other tiles (near the diagonal, where d and so x sweep many pieces) are scored by the
-``rows`` call, the scheme's ``flex_bias`` (the MLP per score) as :func:`.flex.flex_rows_path` does. Every visible
-tile is in exactly one call's block mask, and the two outputs merge by log-sum-exp (model/twopass.py's merge):
-the same softmax, to the rounding of the pieces against the MLP's sum. :func:`evaluations` counts the scores each call
-takes (the MLP evaluations saved: docs/attention.md).
+the whole tile, and a score costs 1 + SPAN multiply-adds in place of the MLP's W = 32 units. The other tiles (near
+the diagonal, where d and so x sweep many pieces) are scored by the ``rows`` call, the scheme's ``flex_bias`` (the
+MLP per score) as :func:`.flex.flex_rows_path` does. Every visible tile is in exactly one call's block mask, and the
+two outputs merge by log-sum-exp (model/twopass.py's merge): the same softmax, to the rounding of the pieces against
+the MLP's sum. :func:`evaluations` counts the scores each call takes (the MLP evaluations saved: docs/attention.md).
 """
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def _with_far(q, k, v, o, lse, tab, D: int, scale: float, tau: float, scheme) ->
     """The band's (o [B, H, L, d], lse [B, H, L]) merged with the far pass of the queries from D on; the far
     constant b(D) shifts its log-sum-exp."""
     H, L = q.shape[1], q.shape[2]
-    o_f, l_f = far_pass(q[:, :, D:], k[:, :, :L - D], v[:, :, :L - D], scale, tau, scheme)  # [B, H, L-D, d], [B, H, L-D]
+    o_f, l_f = far_pass(q[:, :, D:], k[:, :, :L - D], v[:, :, :L - D], scale, tau, scheme)  # [B,H,L-D,d], [B,H,L-D]
     l_f = l_f + (tab[:, D].to(l_f.dtype) / tau).view(1, H, 1)
     acc, lse = merge(None, None, o, lse.contiguous(), 0, L)  # lse is updated in place below (a copy if a view)
     acc, _ = merge(acc, lse, o_f, l_f, D, L)
@@ -166,9 +166,12 @@ def sdpa_lse(q, k, v, scale: float):
         return None
     try:
         out = CUDA_FLASH(q, k, v, 0.0, True, False, scale=scale)
+        if tuple(out[1].shape) != tuple(q.shape[:3]):  # the merge needs lse [B, H, n]
+            raise RuntimeError(f"its log-sum-exp has shape {tuple(out[1].shape)}, not {tuple(q.shape[:3])}")
     except RuntimeError as err:  # e.g. a GPU the flash kernel does not support: FlexAttention instead
         _FLASH_FAILED.append(str(err))
-        warnings.warn(f"SDPA's flash kernel refused the near-far path's far pass ({str(err).splitlines()[0]}); "
-                      "it runs on FlexAttention instead", RuntimeWarning, stacklevel=3)
+        why = (str(err) or type(err).__name__).splitlines()[0]
+        warnings.warn(f"SDPA's flash kernel refused the near-far path's far pass ({why}); it runs on FlexAttention "
+                      "instead", RuntimeWarning, stacklevel=3)
         return None
     return out[0], out[1]
