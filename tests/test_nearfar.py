@@ -1,4 +1,4 @@
-"""The near-far path (model/nearfar.py, docs/attention.md row 5b): T5's bias is its last bucket from max_distance
+"""The near-far path (model/nearfar.py, docs/attention.md row 4c): T5's bias is its last bucket from max_distance
 on, so the far keys are plain causal attention whose log-sum-exp the constant shifts, merged with a band of
 max_distance keys that carries the table. Both forms (the CPU's fused flash calls; the CUDA form's FlexAttention
 band, run here on eager FlexAttention, with either far kernel) against the dense softmax formula in fp64; bf16

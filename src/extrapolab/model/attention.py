@@ -58,7 +58,7 @@ from .twopass import twopass_attention
 
 #: "folded": an ALiBi-form bias (``alibi_slopes``) at increasing positions on the folded path (row 4 of
 #: docs/attention.md's table) even where its positions are contiguous, e.g. to time it beside FlexAttention
-#: "nearfar": the near-far path (row 5b) for a bias constant beyond a distance (T5), evaluation only
+#: "nearfar": the near-far path (row 4c) for a bias constant beyond a distance (T5), evaluation only
 IMPLS = ("auto", "sdpa", "plain", "blocked", "flex", "folded", "nearfar")
 #: query rows per block for schemes with score-level hooks: a block over keys up to its last query
 #: holds L·rows/2 masked entries, so small blocks skip most of the upper triangle (chosen by hand)
@@ -359,7 +359,8 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
         try:
-            if opts.exact_routes and flex_pieces.applies(scheme, torch.is_grad_enabled() and (grad or scheme.learnable)):
+            needs_grad = torch.is_grad_enabled() and (grad or scheme.learnable)
+            if opts.exact_routes and flex_pieces.applies(scheme, needs_grad):
                 out = flex_pieces.pieces_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau,
                                               window=opts.window, tau_h=tau_h)  # tiles of few pieces: no MLP
                 opts.ran("flex-pieces")
@@ -392,7 +393,8 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
             try:
                 out = flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
                                                window=opts.window, tau_h=tau_h, closed=opts.exact_routes)
-                opts.ran(flex.path_name(scheme, layer, scheme.learnable and torch.is_grad_enabled(), opts.exact_routes))
+                learn = scheme.learnable and torch.is_grad_enabled()
+                opts.ran(flex.path_name(scheme, layer, learn, opts.exact_routes))
                 return out, None
             except flex.Unavailable as why:  # never the eager dense fallback nor a traceback: the Toeplitz path
                 flex.warn_unavailable(q, k, scheme.learnable, why)

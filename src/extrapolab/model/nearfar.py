@@ -1,4 +1,4 @@
-"""Near-far attention (docs/attention.md, path row 5b): a bias that is a per-head constant beyond a distance (T5).
+"""Near-far attention (docs/attention.md, path row 4c): a bias that is a per-head constant beyond a distance (T5).
 
 For one whole sequence (queries = keys at the same contiguous positions) and a scheme whose bias is the constant
 c_h = b_h(D) at every distance d >= D (``scheme.constant_beyond``; T5, Raffel et al. 2020: every distance from
