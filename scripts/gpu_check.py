@@ -4,7 +4,8 @@ From the source tree (`PYTHONPATH=src`, no setup step, no network), on a machine
 in one pass, each stage with a time limit (every kernel compiled cold: about 10.5 minutes on a bare H200 machine
 on 2026-11-27 -- pytest 273 s, train 95 s, long 113 s, profile 66 s, torchrun 15 s, the demo's limit 60 s -- over
 the 8 hoped for; since then the pytest stage's fp32 flex tests compile one length instead of two, and the bench
-adds 9-round train rows and the A/B rows rotary+eager and none/alibi/fox+cudnn (an estimated +60 s; not yet run);
+adds 9-round train rows and the A/B rows rotary+eager and none/alibi/fox+cudnn (an estimated +60 s; not yet run) and the
+exact routes' long chunk with its +table rows beside them (an estimated +60 s; not yet run);
 `--stages` splits it into two commands), everything written under OUT:
 
 1. `pytest -m gpu` over tests/ (every GPU test; per-file times from its JUnit XML, each file goal < 3 min);
@@ -12,7 +13,8 @@ adds 9-round train rows and the A/B rows rotary+eager and none/alibi/fox+cudnn (
    goals' length; each further length costs every flex scheme a cold compile) for every scheme with a CUDA goal
    (docs/attention.md, perf.table.GPU_GOALS) plus NoPE, each row with the attention path it took, FlexAttention's
    tile options, outcome and compile seconds, any fallback; and A/B rows beside them (`rotary+eager`: the eager
-   rotation; `SCHEME+cudnn`: SDPA's cuDNN backend first);
+   rotation; `SCHEME+cudnn`: SDPA's cuDNN backend first; `SCHEME+table`: the paths before the exact routes, the
+   gathered table and FIRE's MLP at every score, beside `auto`'s near-far, closed-form and flex-pieces routes);
 3. a 300-step `demo --preset gpu-quick` slice on NoPE and ALiBi with its E1 table;
 4. one profiled train step per scheme that misses a goal (`bench --groups profile,layouts`: its CUDA kernels by
    time, the host's side of the step, and SDPA alone in the model's three q/k/v layouts);
@@ -56,8 +58,13 @@ TRAIN_CHUNKS = {"a1": ROTARY_FAMILY + ("rotary+eager",), "a2": ("alibi", "sandwi
 #: +cudnn: SDPA's cuDNN backend first (model/sdpa.py) for the whole-sequence calls, NoPE's and the folded path's
 #: (ALiBi, FoX: head size 64 + bias columns, which takes FA2's 96-wide kernel: 1.41x and 1.49x on the H200), beside
 #: the flash kernel SDPA picks by default
+#: chunk c: the exact routes' A/B (docs/attention.md). In chunk b `auto` runs T5 on the near-far path, KERPLE-log and
+#: Qin on closed-form score_mods and FIRE's rows on flex-pieces, none of them measured on a GPU yet; `+table` runs the
+#: same schemes as the H200 measured them on 2026-11-27 (the gathered table: 3.82-3.89x NoPE's; FIRE's MLP at every
+#: score: 16.2x), in a process of its own so a route that fails to compile costs one chunk
 LONG_CHUNKS = {"a": ROTARY_FAMILY + TRAIN_CHUNKS["a2"] + ("alibi@flex", "none+cudnn", "alibi+cudnn"),
-               "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"] + ("fox+cudnn",)}
+               "b": TRAIN_CHUNKS["b1"] + TRAIN_CHUNKS["b2"] + ("fox+cudnn",),
+               "c": ("t5+table", "kerple-log+table", "qin-type1+table", "fire+table")}
 #: opt-in (`--stages bench-compile`; not in the default run, whose 15 minutes are taken): train rows with the model's
 #: forward through torch.compile, as `train.compile` trains (NoPE, the rotary family, FoX and the Toeplitz path's
 #: tables trace into one graph: tests/test_compile_graph.py), each beside eager NoPE
@@ -76,7 +83,11 @@ OPTIONAL = ("bench-compile", "bench-train-c")
 #: torchrun 20 s: 12 minutes without the demo, 13.3 minutes of device time with the machine's start.
 #: pytest workers sharing the one GPU: 16 ran an H100 out of memory (2026-11-27: 27 failures, 20 of them
 #: out-of-memory errors; the 7 others fp32 gradients from TF32 products in our kernels). With 8 workers the fourth
-#: run's pytest (an H200, 75 tests, single tests compiling up to 121 s) took 273 s of its 280: now 360
+#: run's pytest (an H200, 75 tests, single tests compiling up to 121 s) took 273 s of its 280: now 360.
+#: bench-long-c (the +table rows, added after that run) is an ESTIMATE: chunk b's five rows with their compiles took
+#: 55.9 s on the H200, these four are the same kernels (FIRE's rows alone ~25 s: a 15.6 s compile and ~1 s a call),
+#: so ~60 s; 120 allows for a slower start. Chunk b now also compiles the routes' new kernels (the band of the near-far
+#: path, two closed forms, FIRE's two calls: an estimated +30-60 s), still within its 190
 PYTEST_WORKERS = 8
 #: seconds a stage past its limit has, after SIGINT, to write what it has before SIGKILL
 GRACE = 15
@@ -85,8 +96,8 @@ GRACE = 15
 #: "unresolved"; with 9 the interval is the 2nd-smallest to 2nd-largest ratio (perf.timing.median_ci)
 TRAIN_ROUNDS = 9
 LIMITS = {"pytest": 360, "bench-train-a1": 60, "bench-train-a2": 90, "bench-train-b1": 70, "bench-train-b2": 60,
-          "bench-train-c": 95, "bench-long-a": 150, "bench-long-b": 190, "demo": 60, "profile": 90, "torchrun": 30,
-          "bench-compile": 240}
+          "bench-train-c": 95, "bench-long-a": 150, "bench-long-b": 190, "bench-long-c": 120, "demo": 60, "profile": 90,
+          "torchrun": 30, "bench-compile": 240}
 
 
 def _cuda_visible() -> bool:

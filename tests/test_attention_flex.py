@@ -184,10 +184,12 @@ def test_gather_spy_sees_a_second_index_of_one_tensor():
     assert gathers_per_tensor(lambda s, b, h, q, kv: s + t.detach()[h, q]) == {}
 
 
-def test_alibi_and_windowed_gather_nothing_in_the_kernel(monkeypatch):
-    """ALiBi's score_mod is closed form (a per-head slope times the distance) and windowed attention's is the mask
-    alone: no [M, N] gather from a captured table, so torch's default tiles fit; tables keep the gather. The values
-    are checked against the reference for every scheme by test_flex_forward_on_cpu_equals_reference_for_every_scheme."""
+def test_alibi_windowed_and_closed_forms_gather_nothing_in_the_kernel(monkeypatch):
+    """ALiBi's score_mod is closed form (a per-head slope times the distance), KERPLE's and Qin's too (their
+    ``closed_form``: a log1p per score, flex.CLOSED_FORM), and windowed attention's is the mask alone: no [M, N]
+    gather from a captured table, so torch's default tiles fit; other tables keep the gather, and so do KERPLE and
+    Qin with flex.CLOSED_FORM off. The values are checked against the reference for every scheme by
+    test_flex_forward_on_cpu_equals_reference_for_every_scheme (and tests/test_closed_form.py)."""
     seen = {}
 
     def kernel(q, k, v, score_mod=None, block_mask=None, scale=None, gather=True):
@@ -195,11 +197,15 @@ def test_alibi_and_windowed_gather_nothing_in_the_kernel(monkeypatch):
         return torch.zeros_like(q)
 
     monkeypatch.setattr(flex, "kernel", lambda device: kernel)
-    for name in ("alibi", "windowed", "kerple-log", "sandwich", "t5"):
-        q, k, v = _qkv(1, 2, 40, 40, 16)
-        with torch.no_grad():
-            attend(q, k, v, torch.arange(40), torch.arange(40), _scheme(name, heads=2), 0, AttnOptions(impl="flex"))
-    assert seen == {"alibi": False, "windowed": False, "kerple-log": True, "sandwich": True, "t5": True}
+    for closed in (True, False):
+        monkeypatch.setattr(flex, "CLOSED_FORM", closed)
+        seen.clear()
+        for name in ("alibi", "windowed", "kerple-log", "qin-type1", "sandwich", "t5"):
+            q, k, v = _qkv(1, 2, 40, 40, 16)
+            with torch.no_grad():
+                attend(q, k, v, torch.arange(40), torch.arange(40), _scheme(name, heads=2), 0, AttnOptions(impl="flex"))
+        assert seen == {"alibi": False, "windowed": False, "kerple-log": not closed, "qin-type1": not closed,
+                        "sandwich": True, "t5": True}, closed
 
 
 def test_gradient_comparison_floors_noise_but_not_real_errors():

@@ -1,4 +1,4 @@
-"""Bad-input catalogue (docs/reliability.md): 152 cases, each a one-line error that
+"""Bad-input catalogue (docs/reliability.md): 154 cases, each a one-line error that
 names the fix, a non-zero exit where it goes through the CLI, no traceback, nothing half-written.
 
 Names & options (12): unknown scheme / scheme option / config key / protocol / preset (closest
@@ -40,6 +40,7 @@ seeding.
 DCA and StreamingLLM's sink tokens (6): a DCA chunk past L_tr, a local window as wide as the chunks,
 sinks plus window past L_tr (schemes); eval.sinks below -1, eval.sinks on a learned-position run; bench --hf
 --sinks without a window.
+Exact attention routes (2): impl=nearfar on a bias that is not constant beyond a distance, and with gradients.
 Layer types (14): an unknown type; a pattern not dividing the layer count; a window or chunk larger than
 the context; both on one type; a window over a scheme that cannot take one; a misspelt type field; an
 unknown published layout, one with no global layer at the model's depth; a rope kind's list of the wrong
@@ -1143,3 +1144,21 @@ def test_gpu_demo_without_a_gpu(tmp_path):
     from extrapolab.sweep.sweep import check_device, load_sweep
 
     check_device(load_sweep("demo-gpu-quick", ["train.device=cpu"])[0])  # what --device cpu sets: no error
+
+
+def _nearfar_case(scheme: str, grad: bool):
+    from extrapolab.model.attention import AttnOptions
+    from extrapolab.model.gpt import GPT, ModelConfig
+
+    m = GPT(ModelConfig(vocab_size=20, layers=1, heads=2, dim=8, scheme=scheme, train_length=8))
+    with torch.set_grad_enabled(grad):
+        return m(torch.zeros(1, 8, dtype=torch.long), opts=AttnOptions(impl="nearfar"))
+
+
+@pytest.mark.parametrize("case, fn, needles", [
+    ("impl=nearfar on a bias that is not constant far away", lambda: _nearfar_case("alibi", False),
+     ["constant beyond a distance", "impl='auto'"]),
+    ("impl=nearfar with gradients", lambda: _nearfar_case("t5", True), ["forward only", "impl='auto'"]),
+])
+def test_exact_route_settings_are_one_line(case, fn, needles):
+    raises(case, fn, *needles)

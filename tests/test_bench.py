@@ -1,6 +1,7 @@
 """E8 benchmark (extrapolab.perf): one-process paired ratios, provenance checks, rotation, goals, errors."""
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -450,3 +451,22 @@ def test_layouts_group_times_sdpa_in_the_models_three_layouts_with_their_gradien
         assert 0 < r["host_ms"] <= r["wall_ms"] and len(r["wall_s"]) == len(r["host_s"]) == 2
         assert all(h <= w for h, w in zip(r["host_s"], r["wall_s"]))
     assert "### SDPA layouts, L = 16" in format_table(res) and "layouts" not in DEFAULT_GROUPS
+
+
+def test_exact_routes_show_under_their_own_names_beside_plus_table_rows(monkeypatch):
+    """The exact routes' rows (docs/attention.md: near-far for T5, closed forms for KERPLE and Qin, FIRE's pieces)
+    print their own path names, and ``SCHEME+table`` runs the same scheme on the paths before them, in the
+    long forward and in its attention-only column: T5 on the CPU where nearfar.AUTO_CPU is set (from
+    nearfar.CPU_MIN_LENGTH tokens, lowered here), KERPLE on FlexAttention (impl="flex": eager on the CPU). FIRE's
+    flex-pieces and flex-rows names: tests/test_flex_pieces.py (eager FlexAttention runs its MLP slowly)."""
+    from extrapolab.model import nearfar
+
+    monkeypatch.setattr(nearfar, "AUTO_CPU", True)
+    monkeypatch.setattr(nearfar, "CPU_MIN_LENGTH", 160)
+    res = run_bench(["t5", "t5+table", "kerple-log@flex", "kerple-log@flex+table"],
+                    model_cfg=replace(TINY, train_length=64), lengths_train=(16,), long_lengths=(160,), repeats=1,
+                    warmup=0, groups=["long"], threads=1, progress=False)
+    paths = {k: set(r["paths"]) for k, r in res["long"]["160"].items()}
+    assert paths == {"none": {"causal"}, "t5": {"nearfar"}, "t5+table": {"toeplitz"},
+                     "kerple-log@flex": {"flex-closed"}, "kerple-log@flex+table": {"flex"}}, paths
+    assert "| t5+table | toeplitz |" in format_table(res) and "| kerple-log@flex | flex-closed |" in format_table(res)

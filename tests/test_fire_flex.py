@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from extrapolab.io import UserError
-from extrapolab.model import flex
+from extrapolab.model import flex, flex_pieces
 from extrapolab.model.attention import AttnOptions, attend, select_path
 from extrapolab.model.gpt import GPT, ModelConfig
 from extrapolab.positional.fire import FIRE
@@ -67,6 +67,7 @@ def test_flex_rows_divide_q_and_the_bias_by_a_per_head_temperature(monkeypatch):
     s.__class__ = _HeadTau
     q, k, v = _qkv(1, 3, 50, 8)
     pos = torch.arange(50)
+    monkeypatch.setattr(flex_pieces, "ENABLED", False)  # evaluation takes flex-pieces (tests/test_flex_pieces.py)
     calls = _rows_calls(monkeypatch)
     with torch.no_grad():
         got, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex"))
@@ -109,6 +110,7 @@ def test_flex_rows_read_nothing_back_per_layer(monkeypatch):
     """A whole FIRE forward beyond L on the flex path (kernel stubbed): the host reads do not grow with
     the number of layers (the split point is read once per forward)."""
     monkeypatch.setattr(flex, "kernel", lambda device: stub_kernel)
+    monkeypatch.setattr(flex_pieces, "ENABLED", False)  # evaluation takes flex-pieces (tests/test_flex_pieces.py)
     counts = []
     for layers in (2, 6):
         torch.manual_seed(0)
@@ -129,6 +131,7 @@ def test_compiled_flex_rows_equal_the_split_path(monkeypatch):
 
     compiled = flex.Compiled(limit=4)
     monkeypatch.setattr(flex, "kernel", lambda device: compiled)
+    monkeypatch.setattr(flex_pieces, "ENABLED", False)  # flex-pieces asks for the lse, which CPU inductor lacks
     s = fire(H=2, L_tr=64, L_mult=1.0).float()
     q, k, v = _qkv(1, 2, 256, 16, dtype=torch.float32)
     pos = torch.arange(256)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from extrapolab import positional
-from extrapolab.model import flex, flex_tiles
+from extrapolab.model import flex, flex_pieces, flex_tiles
 from extrapolab.model.attention import AttnOptions, attend
 from extrapolab.model.flex_tiles import LADDER, Device, fwd_shared_bytes, plan
 
@@ -151,13 +151,14 @@ def _qkv(L, dtype=torch.bfloat16, H=4, D=64, seed=0):
     return tuple(torch.randn(1, H, L, D, generator=g).to(dtype) for _ in range(3))
 
 
-@pytest.mark.parametrize("name", ["alibi", "kerple-log", "t5"])
+@pytest.mark.parametrize("name", ["alibi", "kerple-log", "sandwich", "t5"])
 def test_out_of_resource_first_rung_retries_once_on_the_smaller_rung(monkeypatch, name):
-    """A table scheme's first choice is the plan's largest rung; ALiBi's score_mod gathers nothing (closed form),
-    so its first choice is torch's default; either way a failure retries the next rung, once."""
+    """A table scheme's first choice is the plan's largest rung; ALiBi's and KERPLE's score_mods gather nothing
+    (closed forms), so their first choice is torch's default; either way a failure retries the next rung, once."""
     gather = flex.table_form(positional.build(name, num_heads=4), 0) == "table"
+    assert gather == (name in ("sandwich", "t5"))
     first, second = plan(H100, torch.bfloat16, 64, gather)
-    assert (first is None) == (name == "alibi")
+    assert (first is None) == (not gather)
     c = _compiled(monkeypatch, fail=[first])
     s = positional.build(name, num_heads=4)
     q, k, v = _qkv(160)
@@ -198,6 +199,7 @@ def test_out_of_resource_on_every_rung_runs_the_toeplitz_path_with_one_warning(m
 
 def test_out_of_resource_fire_rows_take_the_split_path(monkeypatch):
     """FIRE's rows beyond L ask for the heavy rungs (both tried), then run the split path with one warning."""
+    monkeypatch.setattr(flex_pieces, "ENABLED", False)  # evaluation takes flex-pieces (its first call not heavy)
     c = _compiled(monkeypatch, fail=None)
     s = positional.build("fire", num_heads=4, original_length=16)
     q, k, v = _qkv(96)
@@ -207,6 +209,20 @@ def test_out_of_resource_fire_rows_take_the_split_path(monkeypatch):
         ref, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="sdpa"))
     assert torch.equal(got, ref)
     assert c.fn.calls == plan(H100, torch.bfloat16, 64, gather=True, heavy=True)
+
+
+def test_out_of_resource_sends_fire_pieces_to_the_split_path(monkeypatch):
+    """FIRE's evaluation on flex-pieces: its first call (pieces) asks for a gathering score_mod's rungs, not the
+    heavy ones; when every rung fails the call runs on the split path with one warning and that path's numbers."""
+    c = _compiled(monkeypatch, fail=None)
+    s = positional.build("fire", num_heads=4, original_length=16)
+    q, k, v = _qkv(96)
+    pos = torch.arange(96)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="shared memory.*split path instead") as rec:
+        got, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="flex"))
+        ref, _ = attend(q, k, v, pos, pos, s, 0, AttnOptions(impl="sdpa"))
+    assert len(rec) == 1 and torch.equal(got, ref)
+    assert c.fn.calls == plan(H100, torch.bfloat16, 64, gather=True, heavy=False)
 
 
 def test_out_of_resource_through_a_real_dynamo_compile_retries_and_recompiles(monkeypatch):
@@ -244,6 +260,7 @@ def test_triton_compile_error_on_every_rung_runs_fire_on_the_split_path_with_one
     """FIRE's rows (the H200's failure): both rungs rejected by Triton, the call runs on the split path with one
     line naming the cause, with that path's numbers."""
     pytest.importorskip("triton")
+    monkeypatch.setattr(flex_pieces, "ENABLED", False)  # evaluation takes flex-pieces (its first call not heavy)
     c = _compiled(monkeypatch, fail=None, error=_inductor_compile_error)
     s = positional.build("fire", num_heads=4, original_length=16)
     q, k, v = _qkv(96)

@@ -22,7 +22,7 @@ def test_gpu_check_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     report = (out / "gpu-check.md").read_text()
     assert proc.returncode == 0, report
     for stage in ("pytest", "bench-train-a1", "bench-train-a2", "bench-train-b1", "bench-train-b2",
-                  "bench-long-a", "bench-long-b", "demo", "profile", "torchrun"):
+                  "bench-long-a", "bench-long-b", "bench-long-c", "demo", "profile", "torchrun"):
         assert f"| {stage} | 0 |" in report, stage
     profiled = report.split("## profile: where one train step's time goes")
     assert len(profiled) == 2 and "| rotary | " in profiled[1]

@@ -120,7 +120,7 @@ class EvalConfig:
     #: as Ruoss et al.'s code does), "contiguous", or "random:L_MAX"
     positions: str = "train"
     #: the evaluation forward's attention implementation (model/attention.py IMPLS, docs/attention.md "Which path
-    #: runs when"): auto | flex | sdpa | blocked | plain | folded. "blocked" scores every length on the fused
+    #: runs when"): auto | flex | sdpa | blocked | plain | folded | nearfar. "blocked" scores every length on the fused
     #: kernels with each query block's own mask (no FlexAttention compile per scheme and length, no L x L tensor)
     attention: str = "auto"
 
@@ -312,9 +312,11 @@ def validate(cfg: RunConfig) -> None:
         if getattr(cfg.train, name) < 1:
             raise ConfigError(f"train.{name} must be >= 1, got {getattr(cfg.train, name)}")
     from .model.attention import IMPLS
-    for key, impl in (("train.attention", cfg.train.attention), ("eval.attention", cfg.eval.attention)):
-        if impl not in IMPLS:
-            raise ConfigError(f"{key} must be one of {', '.join(IMPLS)}, got {impl!r}")
+    trains = [i for i in IMPLS if i != "nearfar"]  # the near-far path runs forward only
+    for key, impl, allowed in (("train.attention", cfg.train.attention, trains),
+                               ("eval.attention", cfg.eval.attention, IMPLS)):
+        if impl not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {impl!r}")
     if any(L < 1 for L in cfg.eval.lengths):
         raise ConfigError(f"eval.lengths must be positive, got {cfg.eval.lengths}")
     if cfg.eval.erf_length < 0 or cfg.eval.erf_segments < 1 or not 0 < cfg.eval.trf_eps < 1:

@@ -183,7 +183,8 @@ def bench(
                                          "gpu-quick: L_tr and 4x L_tr train steps, 16x and 64x L_tr forwards"),
     schemes_: Optional[str] = typer.Option(None, "--schemes", help="comma-separated rows: SCHEME, SCHEME@IMPL, "
                                            "SCHEME+OPTION or both; IMPL an attention implementation (e.g. t5@flex), OPTION compile, eager "
-                                           "(rotations without the fused kernel) or cudnn (SDPA's cuDNN first)"),
+                                           "(rotations without the fused kernel), cudnn (SDPA's cuDNN first) or table (the "
+                                           "paths before the exact routes: gathered tables, FIRE's MLP per score)"),
     device: str = DeviceOpt,
     dtype: str = DtypeOpt,
     threads: int = typer.Option(0, "--threads", help="torch threads (0 = torch's default); the goals are stated at 2"),

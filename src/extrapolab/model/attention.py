@@ -19,6 +19,8 @@ equal to the reference. The paths, chosen by :func:`select_path`:
                  that are not a function of m - n and positions that are not contiguous;
 * ``twopass``    :mod:`.twopass`, Self-Extend / ReRoPE (``scheme.second_pass()``): near and far
                  passes fused, merged by log-sum-exp;
+* ``nearfar``    :mod:`.nearfar`, a bias constant beyond a distance D (T5) in evaluation: plain causal flash over the
+                 far keys (the constant shifts its log-sum-exp) merged with a band of D keys that carries the table;
 * ``split``      :mod:`.split`, schemes whose bias is a distance table only up to a query position T
                  (``scheme.toeplitz_rows()``: FIRE up to L): the queries at m <= T on the Toeplitz path,
                  the others as the fallback; attention rows are independent, so the outputs concatenate.
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 
 from ..io import UserError
 from ..positional.base import PositionalScheme
-from . import flex
+from . import flex, flex_pieces, nearfar
 from .flex_content import flex_content_path
 from .folded import fold_block, folded_attention, pays_long_eval, token_positions
 from .reference import LogitsSink, dense_attention, row_tau, sink_rows
@@ -56,7 +58,8 @@ from .twopass import twopass_attention
 
 #: "folded": an ALiBi-form bias (``alibi_slopes``) at increasing positions on the folded path (row 4 of
 #: docs/attention.md's table) even where its positions are contiguous, e.g. to time it beside FlexAttention
-IMPLS = ("auto", "sdpa", "plain", "blocked", "flex", "folded")
+#: "nearfar": the near-far path (row 4c) for a bias constant beyond a distance (T5), evaluation only
+IMPLS = ("auto", "sdpa", "plain", "blocked", "flex", "folded", "nearfar")
 #: query rows per block for schemes with score-level hooks: a block over keys up to its last query
 #: holds L·rows/2 masked entries, so small blocks skip most of the upper triangle (chosen by hand)
 SCORE_BLOCK = 64
@@ -109,6 +112,10 @@ class AttnOptions:
     #: a dict to count the paths attend() ran, per call ({"flex": 12, "toeplitz": 2}), fallbacks included:
     #: what `extrapolab bench` prints per scheme and row; None (default) counts nothing
     paths: dict | None = None
+    #: the exact routes of docs/attention.md where their switches allow them: the near-far path for T5
+    #: (nearfar.AUTO_CUDA / AUTO_CPU), closed-form score_mods (flex.CLOSED_FORM), FIRE's pieces (flex_pieces.ENABLED);
+    #: False: the paths as before them, the gathered table and FIRE's MLP at every score (bench's SCHEME+table rows)
+    exact_routes: bool = True
 
     def ran(self, path: str) -> None:
         """Count one call of ``path`` in :attr:`paths` (when it is a dict)."""
@@ -141,7 +148,7 @@ def _contiguous_starts(bias, q_pos, k_pos) -> tuple[int | None, int | None]:
 def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shape, Lk: int, *,
                 same_pos: bool, starts: tuple, dense_bias: bool, grad: bool, dtype=torch.float32,
                 folded: bool = False, tau_rows: bool = False, split: int | None = None, sinks: bool = False,
-                same_keys: bool = False):
+                same_keys: bool = False, far: int | None = None):
     """(path, query rows per block or None) for :func:`attend`; pure, so tests can ask about CUDA.
 
     q_shape [B, H, Lq, D]; ``same_pos``: queries and keys at the same positions; ``starts``: the
@@ -153,7 +160,8 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     folded and fallback paths carry and the two-pass, Toeplitz, flex and split paths do not (such calls take
     the reference path, the folded path for the ALiBi form, or the fallback). Schemes with positions from
     content (``has_content``) never take the causal or Toeplitz paths; ``same_keys``: the queries are the keys
-    (a whole sequence), where such a scheme may take FlexAttention (``flex-content``).
+    (a whole sequence), where such a scheme may take FlexAttention (``flex-content``); ``far``: the scheme's
+    ``constant_beyond`` distance (T5), where an evaluation may take the near-far path (``nearfar``).
     """
     _, H, Lq, D = q_shape
     impl = opts.impl
@@ -201,6 +209,7 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
                             "use impl='auto' on CPU or run on CUDA")
         return True
 
+    near_far = nearfar.applies(impl, far, grad, Lq, Lk, starts, opts.window) and not dense_bias
     if impl == "folded" and not (folded and not dense_bias):
         raise UserError(f"impl='folded' needs an ALiBi-form bias at increasing positions (ALiBi, FoX); scheme "
                         f"{scheme.name!r} has none here: use impl='auto'")
@@ -212,6 +221,9 @@ def select_path(device: str, scheme: PositionalScheme, opts: AttnOptions, q_shap
     if sinks:  # the Toeplitz, flex and split kernels have no sink column: each block's dense mask with it
         return "fallback", block
     if toeplitz:
+        if near_far and not scheme.has_weight and (impl == "nearfar" or (
+                impl == "auto" and opts.exact_routes and nearfar.pays(device, Lq, D, dtype))):
+            return "nearfar", min(int(opts.block_size), TOEPLITZ_BLOCK)
         if take_flex():
             return "flex", None
         tb = min(int(opts.block_size), TOEPLITZ_BLOCK)
@@ -310,10 +322,11 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
     if dense is None and starts[0] is not None and scheme.toeplitz_rows() is not None:
         db = db or DistanceBias(scheme, q.device, table_dtype(q))
         split = max(0, min(Lq, math.floor(db.toeplitz_rows(layer)) - starts[0] + 1))  # queries at a.. <= T
+    far = scheme.constant_beyond(layer) if dense is None else None
     path, block = select_path(q.device.type, scheme, opts, q.shape, Lk, same_pos=same and bias_free,
                               starts=starts, dense_bias=dense is not None, grad=grad, dtype=q.dtype,
                               folded=folded, tau_rows=tau_rows, split=split, sinks=sinks is not None,
-                              same_keys=same)
+                              same_keys=same, far=far)
     if path == "causal":
         if tau_s is not None:  # per head and query: dividing q's rows divides the whole logit
             q = q / tau_s[..., None].to(q.dtype)
@@ -346,6 +359,12 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
     tau_h = None if tau_s is None else tau_s.reshape(-1)  # [H|1]: per head only on these paths
     if path == "flex" and split is not None and split < Lq:  # rows beyond T: the scheme's flex_bias per element
         try:
+            needs_grad = torch.is_grad_enabled() and (grad or scheme.learnable)
+            if opts.exact_routes and flex_pieces.applies(scheme, needs_grad):
+                out = flex_pieces.pieces_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau,
+                                              window=opts.window, tau_h=tau_h)  # tiles of few pieces: no MLP
+                opts.ran("flex-pieces")
+                return out, None
             out = flex.flex_rows_path(q, k, v, *starts, scheme, layer, scale=base, tau=tau, window=opts.window,
                                       tau_h=tau_h)
             opts.ran("flex-rows")
@@ -359,13 +378,23 @@ def _run(q, k, v, q_pos, k_pos, scheme, layer, opts, bias, content, sinks, ssmax
         return split_attention(q, k, v, q_pos, k_pos, scheme, layer, db, starts, split, block, scale=scale,
                                tau=tau, tau_h=tau_h, tau_s=tau_s, window=opts.window, block_size=opts.block_size,
                                memory_budget_mb=opts.memory_budget_mb), None
+    if path == "nearfar":  # a bias constant beyond `far` (T5): flash over the far keys + the table's band
+        db = db or DistanceBias(scheme, q.device, table_dtype(q))
+        try:
+            out = nearfar.nearfar_attention(q, k, v, db, layer, far, scale=base, tau=tau, tau_h=tau_h, block=block)
+            opts.ran(path)
+            return out, None
+        except flex.Unavailable as why:  # the band's FlexAttention kernel cannot run it: the Toeplitz path
+            flex.warn_unavailable(q, k, scheme.learnable, why)
+            path, block = "toeplitz", min(int(opts.block_size), TOEPLITZ_BLOCK) if Lq > TOEPLITZ_BLOCK else None
     if path in ("toeplitz", "flex"):
         db = db or DistanceBias(scheme, q.device, table_dtype(q))
         if path == "flex":
             try:
                 out = flex.flex_attention_path(q, k, v, *starts, db, layer, scale=base, tau=tau,
-                                               window=opts.window, tau_h=tau_h)
-                opts.ran(path)
+                                               window=opts.window, tau_h=tau_h, closed=opts.exact_routes)
+                learn = scheme.learnable and torch.is_grad_enabled()
+                opts.ran(flex.path_name(scheme, layer, learn, opts.exact_routes))
                 return out, None
             except flex.Unavailable as why:  # never the eager dense fallback nor a traceback: the Toeplitz path
                 flex.warn_unavailable(q, k, scheme.learnable, why)

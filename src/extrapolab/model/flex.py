@@ -76,6 +76,11 @@ AUTO_TABLE_GRAD = False
 #: :mod:`.flex_content`'s kernel (else the folded path: flash SDPA with extra head dimensions). Off, as measured on
 #: that H100: FoX's train step 2.02x NoPE's here against 1.81x on the folded path
 AUTO_CONTENT = False
+#: a scheme that declares a closed form of its bias (``scheme.closed_form``: KERPLE, Qin) has FlexAttention compute
+#: it per score (a log1p, a power) instead of gathering it from the [H, n] table: no [M, N] gather, so torch's
+#: default tiles apply (docs/attention.md, "Forms of the score_mod"). NOT YET MEASURED on a GPU (KERPLE-log's and
+#: Qin's 32,768-token forwards took 3.89x and 3.82x NoPE's with the gather on an H200); False: the gather
+CLOSED_FORM = True
 MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks(seq_lengths=...) and the CPU template used here
 _COMPILED: list = []  # the compiled kernel, made on first CUDA use
 
@@ -267,6 +272,20 @@ def score_mod_alibi(slopes: torch.Tensor, off: torch.Tensor, inv_tau: torch.Tens
     return score_mod
 
 
+def score_mod_closed(f, off: torch.Tensor, inv_tau: torch.Tensor, n: int, dtype: torch.dtype,
+                     inv_h: torch.Tensor | None = None):
+    """score_mod = (s + f(h, d) · inv_h[h]) · inv_tau, d = off + q_idx - kv_idx as a float of ``dtype`` (clamped to
+    [0, n - 1]: masked scores are never read): a scheme's closed form (``scheme.closed_form``) evaluated per score,
+    its [H] parameters scalar loads; ``inv_h`` [H] a per-head 1/temperature of the bias (None: 1)."""
+    if inv_h is None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return (score + f(h, (q_idx - kv_idx + off).clamp(0, n - 1).to(dtype))) * inv_tau
+    else:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return (score + f(h, (q_idx - kv_idx + off).clamp(0, n - 1).to(dtype)) * inv_h[h]) * inv_tau
+    return score_mod
+
+
 def score_mod_scaled(inv_tau: torch.Tensor):
     """score_mod = s · inv_tau: a scheme whose bias is a pure mask (``mask_only``: windowed) needs only the block mask."""
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -274,15 +293,26 @@ def score_mod_scaled(inv_tau: torch.Tensor):
     return score_mod
 
 
-def table_form(scheme, layer: int) -> str:
+def table_form(scheme, layer: int, learn: bool = False, closed: bool = True) -> str:
     """How the flex path writes a distance-table scheme's score_mod: "mask" (``mask_only``: no term), "alibi"
-    (the ALiBi form, closed form from the slopes) or "table" (a gather from the [H, n] table, the only form whose
-    tiles :func:`.flex_tiles.plan` shrinks)."""
+    (the ALiBi form, closed form from the slopes), "closed" (the scheme's ``closed_form``, with :data:`CLOSED_FORM`)
+    or "table" (a gather from the [H, n] table, the only form whose tiles :func:`.flex_tiles.plan` shrinks).
+    ``learn``: the table needs a gradient in this call; the closed form reads the parameters detached, so it
+    applies then only where :mod:`.table_grad` supplies the gradient (:func:`tracks_table`); ``closed`` False (the
+    call's ``AttnOptions.exact_routes``): never the closed form."""
     if scheme.mask_only and not scheme.has_weight:
         return "mask"
     if not scheme.has_weight and not scheme.learnable and scheme.alibi_slopes(layer) is not None:
         return "alibi"
+    if (closed and CLOSED_FORM and not scheme.has_weight and (not learn or tracks_table(scheme))
+            and scheme.closed_form(layer) is not None):
+        return "closed"
     return "table"
+
+
+def path_name(scheme, layer: int, learn: bool, closed: bool = True) -> str:
+    """What `attend` counts for a call of :func:`flex_attention_path`: "flex-closed" for a closed form, else "flex"."""
+    return "flex-closed" if table_form(scheme, layer, learn, closed) == "closed" else "flex"
 
 
 def mask_mod_for(finite: torch.Tensor, off: torch.Tensor):
@@ -301,8 +331,10 @@ def _ordered(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sel.sum(-1).to(torch.int32)[None, None], idx.to(torch.int32)[None, None]
 
 
-def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BLOCK):
-    """BlockMask of :func:`mask_mod_for` for Lq queries over Lk keys, without an Lq x Lk tensor.
+def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BLOCK,
+               select: torch.Tensor | None = None):
+    """BlockMask of :func:`mask_mod_for` for Lq queries over Lk keys, without an Lq x Lk tensor; ``select``
+    [QB, KB] bool keeps only those blocks (the flex-pieces path splits the tiles between two calls).
 
     For a (query block, key block) pair the distances that occur are exactly the integers in
     [q_lo - k_hi, q_hi - k_lo]; the prefix sums of ``finite`` count the visible ones.
@@ -320,9 +352,17 @@ def block_mask(finite: torch.Tensor, Lq: int, Lk: int, off: int, block: int = BL
     whole = ((q_hi - q_lo + 1 == block)[:, None]) & ((k_hi - k_lo + 1 == block)[None])  # [QB, KB]
     full = whole & (d_lo >= 0) & (d_hi < n) & (seen == d_hi - d_lo + 1)  # edge blocks stay partial
     partial = (seen > 0) & ~full
+    if select is not None:
+        full, partial = full & select, partial & select
     off_t = torch.full((), off, device=dev, dtype=torch.int64)  # filled on the device: no host copy
+    mod = mask_mod_for(finite, off_t)
+    if select is not None:  # the mask_mod says it too: eager FlexAttention (the CPU) reads the mask_mod alone
+        sel, inner = select.contiguous(), mod
+
+        def mod(b, h, q_idx, kv_idx):
+            return inner(b, h, q_idx, kv_idx) & sel[q_idx // block, kv_idx // block]
     return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=block,
-                                    mask_mod=mask_mod_for(finite, off_t), seq_lengths=(Lq, Lk))
+                                    mask_mod=mod, seq_lengths=(Lq, Lk))
 
 
 def _finite(table: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -334,10 +374,11 @@ def _finite(table: torch.Tensor, window: int | None) -> torch.Tensor:
 
 def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *, scale: float,
                         tau: float = 1.0, window: int | None = None,
-                        tau_h: torch.Tensor | None = None) -> torch.Tensor:
+                        tau_h: torch.Tensor | None = None, closed: bool = True) -> torch.Tensor:
     """q [B,H,Lq,D] at positions a.., k/v [B,H,Lk,D] at c.. (c <= a) -> out [B,H,Lq,D].
 
-    ``tau_h`` [H|1]: the scheme's per-head temperature, dividing q and the table per head.
+    ``tau_h`` [H|1]: the scheme's per-head temperature, dividing q and the table per head; ``closed`` False: the
+    gathered table even where the scheme has a closed form (:func:`table_form`).
     Raises :class:`RecompileLimit` when the compiled kernel is full (attend() then takes the
     Toeplitz path). No host-device synchronisation (module doc)."""
     H, Lq, Lk = q.shape[1], q.shape[2], k.shape[2]
@@ -352,12 +393,13 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
     if scheme.learnable:  # the finite pattern of this forward's table, built on the device once
         bm = db.memo(key, lambda: block_mask(_finite(bias, window), Lq, Lk, a - c))
     else:
-        bm = _kept_mask(scheme, key, lambda: _finite(bias, window), Lq, Lk, a - c)
+        bm = kept_mask(scheme, key, lambda: _finite(bias, window), Lq, Lk, a - c)
     dev = q.device
     off = db.memo(("off", dev, a - c), lambda: torch.full((), a - c, device=dev, dtype=torch.int64))
     inv_tau = db.memo(("inv_tau", dev, float(tau), bias.dtype),
                       lambda: torch.full((), 1.0 / tau, device=dev, dtype=bias.dtype))
-    form = table_form(scheme, layer)
+    learn = bias.requires_grad and torch.is_grad_enabled()
+    form = table_form(scheme, layer, learn, closed)
     if form == "mask":
         mod = score_mod_scaled(inv_tau)
     elif form == "alibi":
@@ -365,9 +407,16 @@ def flex_attention_path(q, k, v, a: int, c: int, db: DistanceBias, layer: int, *
         if tau_h is not None:
             slopes = slopes / tau_h.reshape(-1).to(slopes)
         mod = score_mod_alibi(slopes.expand(H).contiguous(), off, inv_tau)
-    elif tracks_table(scheme) and bias.requires_grad and torch.is_grad_enabled():
-        mod = score_mod_for(bias.detach(), weight, off, inv_tau)  # no captured gradient: no atomics in flex
-        out, lse = with_lse(kernel(dev.type), q, k, v, gather=True, score_mod=mod, block_mask=bm, scale=scale)
+    elif form == "closed" or (tracks_table(scheme) and learn):
+        gather = form != "closed"
+        if gather:
+            mod = score_mod_for(bias.detach(), weight, off, inv_tau)  # no captured gradient: no atomics in flex
+        else:  # the scheme's formula per score (its parameters detached), no [M, N] gather
+            inv_h = None if tau_h is None else (1.0 / tau_h.reshape(-1).to(dev, bias.dtype)).expand(H).contiguous()
+            mod = score_mod_closed(scheme.closed_form(layer, bias.dtype, dev), off, inv_tau, n, bias.dtype, inv_h)
+        if not learn:
+            return kernel(dev.type)(q, k, v, gather=False, score_mod=mod, block_mask=bm, scale=scale)
+        out, lse = with_lse(kernel(dev.type), q, k, v, gather=gather, score_mod=mod, block_mask=bm, scale=scale)
         return table_grad.attach(out, lse, q, k, v, bias, off=a - c, scale=scale, inv_tau=1.0 / tau, window=window)
     else:
         mod = score_mod_for(bias, weight, off, inv_tau)
@@ -389,7 +438,7 @@ def with_lse(fn, q, k, v, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     return out, aux.lse
 
 
-def _kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):
+def kept_mask(scheme, key: tuple, finite, Lq: int, Lk: int, off: int):
     """The BlockMask of a pattern that does not change with the scheme's parameters, kept on the scheme as
     (finite, BlockMask): the tensor lets ``cached`` see inference mode."""
     hit = scheme.cached(key)
@@ -414,7 +463,7 @@ def flex_rows_path(q, k, v, a: int, c: int, scheme, layer: int, *, scale: float,
         d = torch.arange(n, device=dev)
         return torch.ones_like(d, dtype=torch.bool) if window is None else d < window
 
-    bm = _kept_mask(scheme, ("flexrows", dev, Lq, Lk, a - c, window), finite, Lq, Lk, a - c)
+    bm = kept_mask(scheme, ("flexrows", dev, Lq, Lk, a - c, window), finite, Lq, Lk, a - c)
     wp = torch.float64 if q.dtype == torch.float64 else torch.float32  # FlexAttention's working precision
     inv_tau = torch.full((), 1.0 / tau, device=dev, dtype=wp)
     if tau_h is None:

@@ -49,7 +49,7 @@ def flex_content_path(q, k, v, c: torch.Tensor, *, scale: float, tau: float = 1.
         d = torch.arange(L, device=dev)
         return torch.ones_like(d, dtype=torch.bool) if window is None else d < window
 
-    bm = flex._kept_mask(scheme, ("flexcontent", dev, L, window), finite, L, L, 0)
+    bm = flex.kept_mask(scheme, ("flexcontent", dev, L, window), finite, L, L, 0)
     if not (torch.is_grad_enabled() and c.requires_grad):
         return flex.kernel(dev.type)(q, k, v, gather=False, score_mod=mod, block_mask=bm, scale=scale)
     out, lse = flex.with_lse(flex.kernel(dev.type), q, k, v, gather=False, score_mod=mod, block_mask=bm, scale=scale)

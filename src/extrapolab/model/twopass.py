@@ -100,7 +100,7 @@ def plan(Lq: int, Lk: int, w: int, window: int | None, block: int) -> list[tuple
     return out
 
 
-def _merge(acc, lse, o, l, start: int, rows: int):
+def merge(acc, lse, o, l, start: int, rows: int):
     """Merge one call's (o [B,H,n,D], l [B,H,n]) into rows start..start+n-1 of the block's (acc, lse)."""
     n = o.shape[2]
     if acc is None and n == rows:
@@ -134,7 +134,7 @@ def fused_forward(qs, ks, v, geom):
             qi, ki = idx[i]
             o, l = CPU_FLASH(qs[qi][:, :, ra:rb], ks[ki][:, :, lo:hi], v[:, :, lo:hi], 0.0, False,
                              attn_mask=_mask(geom, band, ra, lo, rb - ra, hi - lo), scale=scale)  # [B,H,n,D], [B,H,n]
-            acc, lse = _merge(acc, lse, o, l, ra - r0, r1 - r0)
+            acc, lse = merge(acc, lse, o, l, ra - r0, r1 - r0)
         outs.append(acc.to(v.dtype))  # [B, H, bq, D]
         lses.append(lse)
     if len(outs) == 1:

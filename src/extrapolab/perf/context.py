@@ -30,8 +30,11 @@ class Spec:
     ``train.compile`` trains it (written ``name+compile``); ``eager``: rotations by the eager formula instead of the
     fused kernel (written ``name+eager``; positional/turn.py), the A/B of that kernel's cost on a GPU; ``cudnn``: SDPA's
     cuDNN backend first in line for the row's unmasked calls (written ``name+cudnn``; model/sdpa.py), beside the
-    flash kernel SDPA picks by default. The options wrap the row's model calls (its train step and forwards), not the
-    attention-only column, which calls attention directly."""
+    flash kernel SDPA picks by default; ``table``: the paths as before the exact routes (written ``name+table``;
+    ``AttnOptions.exact_routes`` off: the distance table gathered in FlexAttention for T5, KERPLE and Qin, FIRE's MLP
+    at every score), beside the routes `auto` now takes (docs/attention.md). The options wrap the row's model calls
+    (its train step and forwards), not the attention-only column, which calls attention directly; ``table`` is an
+    attention option of the row, so it holds in that column too."""
     label: str
     name: str
     params: dict = field(default_factory=dict)
@@ -41,16 +44,18 @@ class Spec:
     compile: bool = False
     eager: bool = False
     cudnn: bool = False
+    table: bool = False
 
 
-#: row options written after the scheme (and its @impl): ``+compile``, ``+eager``, ``+cudnn``, any of them together
-ROW_OPTIONS = ("compile", "eager", "cudnn")
+#: row options written after the scheme (and its @impl): ``+compile``, ``+eager``, ``+cudnn``, ``+table``, any of
+#: them together
+ROW_OPTIONS = ("compile", "eager", "cudnn", "table")
 
 
 def _spec(text: str) -> Spec:
     """"t5", "t5@sdpa" (the scheme on that attention implementation), "rotary+compile" (its forward through
     torch.compile), "rotary+eager" (its rotations without the fused kernel), "alibi+cudnn" (SDPA's cuDNN backend
-    first) or "t5@flex+compile" -> Spec."""
+    first), "t5+table" (the paths before the exact routes) or "t5@flex+compile" -> Spec."""
     base, *options = text.split("+")
     bad = [o for o in options if o not in ROW_OPTIONS]
     if bad or len(set(options)) < len(options):
@@ -60,7 +65,7 @@ def _spec(text: str) -> Spec:
     if impl and impl not in IMPLS:
         raise UserError(f"unknown attention impl {impl!r} in {text!r}; write SCHEME@IMPL with IMPL one of {', '.join(IMPLS)}")
     return Spec(text, name, impl=impl or "auto", compile="compile" in options, eager="eager" in options,
-                cudnn="cudnn" in options)
+                cudnn="cudnn" in options, table="table" in options)
 
 
 def as_specs(schemes) -> list[Spec]:
@@ -113,7 +118,7 @@ def build_model(ctx: Context, spec: Spec, seed: int = 0) -> GPT:
     """The benched model of ``spec`` (seeded, on the bench's device)."""
     torch.manual_seed(seed)
     model = GPT(replace(ctx.cfg, scheme=spec.name, scheme_params=dict(spec.params), **spec.model)).to(ctx.device)
-    model.attn_opts = AttnOptions(impl=spec.impl)
+    model.attn_opts = AttnOptions(impl=spec.impl, exact_routes=not spec.table)
     if spec.eager:  # the rotations by the eager formula during this model's calls (forward, and so backward)
         model.forward = turn.without_kernel(model.forward)
     if spec.cudnn:

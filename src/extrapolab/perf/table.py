@@ -94,11 +94,13 @@ def check_goals(result: dict) -> list[str]:
 
 #: the CUDA goals (bf16 autocast, GPT-2 small, `bench --preset gpu-quick`): scheme -> (train step at L_tr 512,
 #: forward at 32,768) as a ratio to bias-free flash SDPA timed next to it; KERPLE's forward is evaluation
-#: (no gradient), T5's the learnable-table limit
+#: (no gradient), T5's the learnable-table limit; the limits of issue 43 ("training bound by its kernels", "long
+#: forwards near flash"): parameter-free biases 1.10x a train step, the tabled ones 1.5x a long forward
 GPU_GOALS = {**{n: (1.10, 1.10) for n in ("rotary", "xpos", "hybrid", "nope-headscale")},
-             **{n: (1.10, 1.30) for n in ("alibi", "sandwich", "windowed", "qin-type1", "qin-type2")},
-             "t5": (1.30, 1.50), "kerple-log": (1.30, 1.30), "kerple-power": (1.30, 1.30),
-             "fox": (1.30, 1.30), "fire": (1.60, 2.00)}
+             **{n: (1.10, 1.30) for n in ("alibi", "windowed")},
+             **{n: (1.10, 1.50) for n in ("sandwich", "qin-type1", "qin-type2")},
+             "t5": (1.25, 1.50), "kerple-log": (1.25, 1.50), "kerple-power": (1.25, 1.50),
+             "fox": (1.25, 1.30), "fire": (1.50, 3.00)}
 GPU_TRAIN_L, GPU_LONG_L = 512, 32768
 
 

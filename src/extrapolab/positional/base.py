@@ -31,6 +31,15 @@ A scheme is an ``nn.Module`` whose hooks are all no-ops by default; attention
 * ``flex_bias(layer, a, c, Lq, n)`` -> bias(h, q_idx, kv_idx) of the queries at a.. over the keys at c..,
                                     pointwise on captured tensors: the scheme's own FlexAttention term
                                     where its rows are not one distance table (FIRE beyond L), or None
+* ``constant_beyond(layer)``     -> D when b_h(d) = b_h(D) for every distance d >= D (T5: the last bucket from
+                                    max_distance on), or None: attention may score those keys by plain flash
+                                    attention merged with a band of D keys (the near-far path)
+* ``closed_form(layer, dtype, device)`` -> f(h, d) = b_h(d) for float distances d, pointwise on [H] tensors it
+                                    captures (detached): FlexAttention's score_mod computes it instead of
+                                    gathering from the [H, n] table (KERPLE, Qin), or None
+* ``flex_pieces(layer, a, c, Lq, n, dtype)`` -> (ψ [n], ι [Lq], t [K], α [H, K+1], β [H, K+1]) when the bias is
+                                    b_h(m, n) = α_h[s] + β_h[s]·x with x = ψ[m − n]·ι[m] and s = #{k : t_k < x}
+                                    (FIRE's MLP as linear pieces, forward only), or None
 
 Relative schemes (bias depends only on the distance k = m - n >= 0) subclass
 :class:`RelativeBias` and implement only ``bias_from_distance(dist, layer)``; the base class
@@ -200,6 +209,30 @@ class PositionalScheme(nn.Module):
         is "multiple indexing operations on the same tensor"): index copies from :func:`flex_copies` instead."""
         return None
 
+    def constant_beyond(self, layer: int = 0) -> int | None:
+        """None, or a distance D >= 1 with b_h(d) = b_h(D) for every d >= D (T5: every distance from max_distance on
+        shares the last bucket). A query's keys at distances >= D then score as plain causal attention whose
+        log-sum-exp the constant shifts, merged exactly with a band of the D nearest keys that carries the table
+        (docs/attention.md, the near-far path). The constant is read from the scheme's own distance table at D."""
+        return None
+
+    def closed_form(self, layer: int = 0, dtype: torch.dtype = torch.float32, device=None):
+        """None, or ``f(h, d)`` -> b_h(d) for a float tensor of distances d >= 0 in ``dtype``, written with pointwise
+        tensor ops on [H] tensors it captures (detached, on ``device``): FlexAttention's score_mod then evaluates the
+        bias where it is cheap (a log1p, a power) instead of gathering it from the [H, n] distance table, whose
+        [M, N] gather shrinks the kernel's tiles (docs/attention.md, "Forms of the score_mod"). It must equal
+        ``bias_from_distance`` to rounding (tests/test_schemes_contract.py)."""
+        return None
+
+    def flex_pieces(self, layer: int, a: int, c: int, Lq: int, n: int, dtype: torch.dtype = torch.float32):
+        """None, or (ψ [n], ι [Lq], t [K], α [H, K+1], β [H, K+1]), all detached in ``dtype``, when the bias of the
+        query at a + i over the key at c + j (distance d = a - c + i - j, 0 <= d < n) is piecewise linear in a
+        separable input: b_h = α_h[s] + β_h[s]·x with x = ψ[d]·ι[i] and s = #{k : t_k < x} (t sorted ascending,
+        ψ non-decreasing, ι positive and non-increasing). FIRE's MLP is such a function of its input (forward
+        only): the flex-pieces path then evaluates one piece per score where a tile of queries and keys spans
+        few pieces, and ``flex_bias`` elsewhere (model/flex_pieces.py)."""
+        return None
+
     def alibi_slopes(self, layer: int = 0) -> torch.Tensor | None:
         """[H] float64 when this layer's whole additive term is -slope_h·(p_m - p_n) (ALiBi form),
         with p the token positions or, for ``has_content`` schemes, ``content_positions``; else None.
@@ -253,6 +286,11 @@ class PositionalScheme(nn.Module):
     def has_flex_bias(self) -> bool:
         """The scheme writes its own FlexAttention term (``flex_bias``; FIRE)."""
         return type(self).flex_bias is not PositionalScheme.flex_bias
+
+    @property
+    def has_flex_pieces(self) -> bool:
+        """The scheme's bias is linear pieces of a separable input (``flex_pieces``; FIRE)."""
+        return type(self).flex_pieces is not PositionalScheme.flex_pieces
 
     @property
     def learnable(self) -> bool:

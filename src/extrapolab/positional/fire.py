@@ -31,7 +31,8 @@ f's linear pieces (``pieces``: f is piecewise linear in its scalar input with at
 so f(x) = α_s + β_s·x on the piece s holding x, exactly the MLP, with the same gradients almost
 everywhere): without gradients as blocks of rows laid out by distance (``distance_rows``: one pass
 per block outside the bands of distances where rows change piece), with them as dense blocks from
-``bias``.
+``bias``. On FlexAttention the same pieces score the tiles of queries and keys that span few of them
+(``flex_pieces``, model/flex_pieces.py): one multiply-add per score instead of the MLP's 32 units.
 
 TRF: at a fixed query the bias is a function of the distance, but normalised by the query's own
 position, ψ(i − j)/ψ(max(L, i)) ∈ [0, 1]: there is no fixed kernel in i − j for Qin et al.'s series
@@ -269,6 +270,18 @@ class FIRE(RelativeBias):
                 out = out + w2[u][h, u] * torch.relu(x * w1[u][u] + b1[u][u])
             return out
         return bias
+
+    @torch.no_grad()
+    def flex_pieces(self, layer, a, c, Lq, n, dtype=torch.float32):
+        """(ψ [n], ι [Lq], t [K], α [H, K+1], β [H, K+1]) in ``dtype``: f_θ's linear pieces (:meth:`pieces`) and its
+        input x = ψ(d)·ι(a + i), ι(m) = 1/(ψ(max(L, m)) + eps), for the flex-pieces path (forward only). ψ is made
+        non-decreasing and ι non-increasing by a running max / min (they are, up to the rounding of log1p), so a
+        tile's bounds on x hold for every score in it exactly."""
+        dt, dev = self.c.dtype, self.c.device
+        psi = self.psi(torch.arange(n, device=dev, dtype=dt), layer).to(dtype).cummax(0).values  # [n]
+        inv = self.inv_norm(torch.arange(Lq, device=dev, dtype=dt) + a, layer).to(dtype).cummin(0).values  # [Lq]
+        t, alpha, beta = self.pieces(layer)
+        return psi, inv, t.to(dtype), alpha.to(dtype), beta.to(dtype)
 
     def toeplitz_rows(self):
         """L per layer ([layers], or [1] when shared): queries at positions <= L see the distance table."""

@@ -11,6 +11,10 @@ and exponents to (0, 2]; ``constrain_()`` also projects the stored values after 
 Initialisation follows the official code: multipliers U(0,1), log-scales/powers U(0,2); any
 parameter may instead be given an initial value (``r2=1.0`` or one per head), checked against
 its constraint.
+
+Each additive kernel is written once (``formula(k, *params)``, pointwise): the distance table applies it to
+[H, 1, ...]-shaped parameters, ``closed_form`` to one head's scalars inside FlexAttention's score_mod (a
+log1p or a power per score instead of a gather from the [H, n] table; docs/attention.md).
 """
 from __future__ import annotations
 
@@ -74,7 +78,25 @@ class _Kerple(RelativeBias):
     @staticmethod
     def _pow(k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """k^p with k >= 0 and a finite gradient w.r.t. p at k = 0 (0^p = 0 for p > 0)."""
-        return torch.where(k > 0, k.clamp(min=1.0).pow(p), torch.zeros((), dtype=k.dtype))
+        return torch.where(k > 0, k.clamp(min=1.0).pow(p), 0.0)
+
+    @classmethod
+    def formula(cls, k: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        """The additive kernel at distances k (float) with the constrained parameters in PARAMS order, each
+        broadcastable against k."""
+        raise NotImplementedError
+
+    def bias_from_distance(self, dist, layer=0):
+        k = dist.to(self.r1.dtype)
+        return self.formula(k, *(self._bc(self.p(n), k) for n in self.PARAMS))  # [H, ...]
+
+    def closed_form(self, layer=0, dtype=torch.float32, device=None):
+        """f(h, d) = :meth:`formula` at one head's detached parameters ([H] tensors indexed by h: a scalar load)."""
+        if self.has_weight or type(self).formula.__func__ is _Kerple.formula.__func__:  # a weight kernel: the table
+            return None
+        ps = [self.p(n).detach().to(device, dtype) for n in self.PARAMS]  # [H] each
+        formula = self.formula
+        return lambda h, d: formula(d, *(p[h] for p in ps))
 
     @staticmethod
     def _bc(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -91,9 +113,9 @@ class KerpleLog(_Kerple):
     summary = "-r1·log(1 + r2·k), r1, r2 > 0 learned per head"
     PARAMS = {"r1": (2.0, False), "r2": (1.0, False)}
 
-    def bias_from_distance(self, dist, layer=0):
-        k = dist.to(self.r1.dtype)
-        return -self._bc(self.p("r1"), k) * torch.log1p(self._bc(self.p("r2"), k) * k)  # [H, ...]
+    @classmethod
+    def formula(cls, k, r1, r2):
+        return -r1 * torch.log1p(r2 * k)
 
 
 @register
@@ -103,9 +125,9 @@ class KerplePower(_Kerple):
     summary = "-r1·k^r2, r1 > 0, 0 < r2 <= 2 learned per head"
     PARAMS = {"r1": (1.0, False), "r2": (2.0, True)}
 
-    def bias_from_distance(self, dist, layer=0):
-        k = dist.to(self.r1.dtype)
-        return -self._bc(self.p("r1"), k) * self._pow(k, self._bc(self.p("r2"), k))  # [H, ...]
+    @classmethod
+    def formula(cls, k, r1, r2):
+        return -r1 * cls._pow(k, r2)
 
 
 @register
@@ -115,10 +137,9 @@ class Kerple3ParaLog(_Kerple):
     summary = "-r1·log(1 + r2·k^r3), r1, r2 > 0, 0 < r3 <= 2"
     PARAMS = {"r1": (2.0, False), "r2": (1.0, False), "r3": (2.0, True)}
 
-    def bias_from_distance(self, dist, layer=0):
-        k = dist.to(self.r1.dtype)
-        kp = self._pow(k, self._bc(self.p("r3"), k))
-        return -self._bc(self.p("r1"), k) * torch.log1p(self._bc(self.p("r2"), k) * kp)  # [H, ...]
+    @classmethod
+    def formula(cls, k, r1, r2, r3):
+        return -r1 * torch.log1p(r2 * cls._pow(k, r3))
 
 
 @register

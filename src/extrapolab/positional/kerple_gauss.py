@@ -36,9 +36,9 @@ class KerpleGauss2ParaBias(_Kerple):
     summary = "Gaussian bias r1·exp(-r2·k^2), r1, r2 > 0 learned per head"
     PARAMS = {"r1": (1.0, False), "r2": (1.0, False)}
 
-    def bias_from_distance(self, dist, layer=0):
-        k = dist.to(self.r1.dtype)
-        return self._bc(self.p("r1"), k) * _gauss(k, self._bc(self.p("r2"), k), None)  # [H, ...]
+    @classmethod
+    def formula(cls, k, r1, r2):
+        return r1 * _gauss(k, r2, None)
 
 
 @register
@@ -48,10 +48,9 @@ class KerpleGauss3ParaBias(_Kerple):
     summary = "Gaussian-like bias r1·exp(-r2·k^r3), r1, r2 > 0, 0 < r3 <= 2"
     PARAMS = {"r1": (1.0, False), "r2": (1.0, False), "r3": (2.0, True)}
 
-    def bias_from_distance(self, dist, layer=0):
-        k = dist.to(self.r1.dtype)
-        w = _gauss(k, self._bc(self.p("r2"), k), self._bc(self.p("r3"), k))  # [H, ...]
-        return self._bc(self.p("r1"), k) * w  # [H, ...]
+    @classmethod
+    def formula(cls, k, r1, r2, r3):
+        return r1 * _gauss(k, r2, r3)
 
 
 class _GaussWeight(_Kerple):

@@ -12,7 +12,9 @@ n = 1, so it is shifted to n = k + 2 (its divergence proof sums from n = 3).
   qin-example2  b = 1/(n ln n), n = k+2  Bertrand series: diverges like ln ln n    (does NOT extrapolate)
 
 The paper uses the same b for every head and layer (no per-head scaling), so do we. ``b(k)`` and
-``log_b(k)`` are class methods in float64 for the theory tools (A2); the class attributes
+``log_b(k)`` are class methods in float64 for the theory tools (A2), both from ``formula(x)`` (pointwise, in
+x's dtype), which is also the scheme's ``closed_form``: FlexAttention's score_mod computes log b(d) per score
+instead of gathering it from the [H, n] table (docs/attention.md). The class attributes
 ``series``, ``series_p``, ``b_offset``, ``converges`` and ``series_sum`` name the closed-form
 convergence family.
 """
@@ -44,9 +46,18 @@ class _QinBias(RelativeBias):
     series_sum: ClassVar[float | None] = None
 
     @classmethod
+    def formula(cls, x: torch.Tensor) -> torch.Tensor:
+        """log b at float distances x, in x's dtype (head-independent)."""
+        raise NotImplementedError
+
+    @classmethod
     def log_b(cls, k, h: int = 0) -> torch.Tensor:
         """log b(k) in float64, same shape as k (head-independent)."""
-        raise NotImplementedError
+        return cls.formula(_k64(k))
+
+    def closed_form(self, layer=0, dtype=torch.float32, device=None):
+        formula = type(self).formula
+        return lambda h, d: formula(d)
 
     @classmethod
     def b(cls, k, h: int = 0) -> torch.Tensor:
@@ -70,8 +81,8 @@ class QinType1(_QinBias):
     series, series_p, converges, series_sum = "p-series", 2.0, True, math.pi**2 / 6
 
     @classmethod
-    def log_b(cls, k, h=0):
-        return -2.0 * torch.log1p(_k64(k))
+    def formula(cls, x):
+        return -2.0 * torch.log1p(x)
 
 
 @register
@@ -82,8 +93,8 @@ class QinType2(_QinBias):
     series, series_p, converges, series_sum = "exp-log-squared", None, True, None
 
     @classmethod
-    def log_b(cls, k, h=0):
-        return -torch.log1p(_k64(k)) ** 2
+    def formula(cls, x):
+        return -torch.log1p(x) ** 2
 
 
 @register
@@ -94,8 +105,8 @@ class QinExample1(_QinBias):
     series, series_p, converges, series_sum = "p-series", 1.0, False, math.inf
 
     @classmethod
-    def log_b(cls, k, h=0):
-        return -torch.log1p(_k64(k))
+    def formula(cls, x):
+        return -torch.log1p(x)
 
 
 @register
@@ -106,6 +117,6 @@ class QinExample2(_QinBias):
     series, series_p, b_offset, converges, series_sum = "n-log-n", None, 2, False, math.inf
 
     @classmethod
-    def log_b(cls, k, h=0):
-        n = _k64(k) + 2.0
+    def formula(cls, x):
+        n = x + 2.0
         return -(torch.log(n) + torch.log(torch.log(n)))

@@ -4,7 +4,9 @@ Causal log-bucketing identical to Hugging Face transformers'
 ``T5Attention._relative_position_bucket(bidirectional=False)``: distances < num_buckets/2 get
 their own bucket, larger ones a log-spaced bucket up to ``max_distance``, and every distance
 >= max_distance shares the last bucket. One learned scalar per (head, bucket), one table shared
-by every layer (HF: only the first layer owns it).
+by every layer (HF: only the first layer owns it). That last bucket makes the bias a per-head constant
+from max_distance on (``constant_beyond``), which the near-far path of attention uses: plain flash
+attention over the far keys, the table over a band of max_distance keys (docs/attention.md).
 """
 from __future__ import annotations
 
@@ -49,6 +51,11 @@ class T5Bias(RelativeBias):
 
     def bias_from_distance(self, dist, layer=0):
         return self.table[:, t5_causal_bucket(dist, self.num_buckets, self.max_distance)]  # [H, ...]
+
+    def constant_beyond(self, layer=0):
+        """max_distance: for d >= max_distance the log term is >= 1 (to fp32 rounding, 1 - 1 ulp at worst), so the
+        bucket is num_buckets - 1 or clamped to it, whatever the rounding of the log."""
+        return self.max_distance
 
     def options(self):
         return {"num_buckets": self.num_buckets, "max_distance": self.max_distance}
