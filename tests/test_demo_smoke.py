@@ -166,7 +166,9 @@ def test_runs_and_report_name_the_corpus_and_warn_over_two_texts(smoke, tmp_path
     import platform
     import shutil
 
-    from extrapolab.data import manifest_hash, read_corpus
+    from dataclasses import replace
+
+    from extrapolab.data import manifest_hash, prepare, provenance, read_corpus
     from extrapolab.report.build import build_report
     from extrapolab.report.corpora import record_corpora
     from extrapolab.report.db import ResultsDB
@@ -194,7 +196,8 @@ def test_runs_and_report_name_the_corpus_and_warn_over_two_texts(smoke, tmp_path
     other = {**meta["corpora"]["stdlib"], "corpus_hash": "0" * 64, "source": "CPython 3.11.2 standard library"}
     db.set_meta(corpora={"stdlib": other})  # as if the stored runs had read another host's text
     base, spec = load_sweep("demo-smoke", over)
-    [line] = record_corpora(db, base, spec.datasets)
+    [line] = record_corpora(db, {d: provenance(prepare(replace(base.data, corpus=d), progress=False))
+                                 for d in spec.datasets})
     assert line.startswith("warning: this sweep resumes on corpus stdlib with sha256 " + want[:12])
     assert "its stored runs measured 000000000000… (CPython 3.11.2 standard library)" in line
     assert db.meta()["corpora_earlier"] == {"stdlib": [other]} and db.meta()["corpora"]["stdlib"]["corpus_hash"] == want

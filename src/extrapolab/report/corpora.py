@@ -2,8 +2,8 @@
 line when its results span more than one text of the same corpus (data/origin.py says why that
 happens across hosts: a ``python3-doc`` one Debian release apart changes the prose tables).
 
-* :func:`record_corpora` -- called by the sweep once its datasets are prepared: stores each dataset's
-  provenance in the meta ``corpora`` (the one this invocation measures on) and, when a resumed sweep
+* :func:`record_corpora` -- called by the sweep with the provenance of the datasets it prepared: stores it in
+  the meta ``corpora`` (the one this invocation measures on) and, when a resumed sweep
   finds another hash than the one stored, keeps the earlier one in ``corpora_earlier`` and returns the
   warning line for the console;
 * :func:`corpus_section` -- the report's lines: one per dataset (the hash and its source, or "corpus
@@ -12,23 +12,17 @@ happens across hosts: a ``python3-doc`` one Debian release apart changes the pro
 """
 from __future__ import annotations
 
-import copy
-
-from ..data.origin import HASH_DIGITS, corpus_line, mixed_corpora, provenance
+from ..data.origin import HASH_DIGITS, corpus_line, mixed_corpora
 
 
-def record_corpora(db, base, datasets) -> list[str]:
-    """Prepare (from the cache) each of ``datasets`` with ``base``'s data settings, store their provenance
-    in ``db``'s meta and return the warning lines for a resumed sweep whose corpus changed (module doc)."""
-    from ..data import prepare
-
+def record_corpora(db, now: dict) -> list[str]:
+    """Store ``now`` ({dataset: :func:`~extrapolab.data.origin.provenance` of its prepared data}, as the sweep
+    prepared it) in ``db``'s meta and return the warning lines for a resumed sweep whose corpus changed
+    (module doc)."""
     meta = db.meta()
     before, earlier = dict(meta.get("corpora") or {}), dict(meta.get("corpora_earlier") or {})
-    now, warnings = {}, []
-    for d in datasets:
-        cfg = copy.deepcopy(base.data)
-        cfg.corpus = d
-        now[d] = provenance(prepare(cfg, progress=False))
+    warnings = []
+    for d in now:
         old = before.get(d)
         if old and now[d] and old.get("corpus_hash") != now[d]["corpus_hash"]:
             earlier.setdefault(d, [])

@@ -40,7 +40,7 @@ def run_sweep(name_or_path: str, out: Path | None = None, overrides: list[str] |
 
 
 def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: float, progress: bool) -> dict:
-    from ..data import prepare
+    from ..data import prepare, provenance
 
     out.mkdir(parents=True, exist_ok=True)
     C.save(base, out / "sweep-config.yaml")
@@ -58,14 +58,15 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
     workers = max(1, min(ex.slots, len(todo)))
     _say(progress, f"sweep {base.name}: {len(grid)} runs ({len(grid) - len(todo)} already done, "
                    f"{ex.describe(workers)}) -> {out}")
-    vocab, stages = {}, {"start": time.time() - t0}  # wall seconds of this invocation by stage (meta stages_s)
+    vocab, corpora, stages = {}, {}, {"start": time.time() - t0}  # stages: wall seconds by stage (meta stages_s)
     t1 = time.time()
     for d in spec.datasets:  # tokenize once, before any worker starts
         cfg = copy.deepcopy(base)
         cfg.data.corpus = d
-        vocab[d] = int(prepare(cfg.data, progress=progress).vocab_size)
+        data = prepare(cfg.data, progress=progress)
+        vocab[d], corpora[d] = int(data.vocab_size), provenance(data)
     stages["tokenize"] = time.time() - t1
-    for line in record_corpora(db, base, spec.datasets):  # the corpus hashes; a resume on another text: warned
+    for line in record_corpora(db, corpora):  # the corpus hashes; a resume on another text: warned
         _say(progress, line)
     trains, derived = [], []
     home = out.resolve()  # runs are told absolute paths: a Ray worker starts in a folder of its own
