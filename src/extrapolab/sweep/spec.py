@@ -126,14 +126,13 @@ class SweepSpec:
     datasets: list[str]
     reference: str
     budget: str = ""
-    workers: int = 1  # CPU runs trained in parallel processes (threads split between them)
     cost_rounds: int = 7  # paired rounds of the cost bench pass after training
     models: list[ModelSpec] = field(default_factory=list)  # hf: models evaluated next to the runs
     #: start no run that would end past this many seconds of the invocation (0: no limit); the same
     #: command resumes the rest, so a sweep fits jobs of a short GPU slot
     time_budget_s: float = 0.0
-    #: how the runs are executed: engine (local | ray), address, workers, devices, runs_per_device,
-    #: procs_per_run, max_retries (executor/spec.py, docs/scale-out.md)
+    #: how the runs are executed: engine (local | ray), address, workers (CPU runs in parallel processes),
+    #: devices, runs_per_device, procs_per_run, max_retries (executor/spec.py, docs/scale-out.md)
     engine: EngineSpec = field(default_factory=EngineSpec)
 
     @classmethod
@@ -161,8 +160,7 @@ class SweepSpec:
         budget_s = float(d.get("time_budget_s") or 0)
         if budget_s < 0:
             raise UserError(f"sweep.time_budget_s={budget_s:g} must be >= 0 (0: no limit)")
-        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), engine.workers, rounds, models, budget_s,
-                   engine)
+        return cls(schemes, seeds, datasets, ref, str(d.get("budget", "")), rounds, models, budget_s, engine)
 
     def entry(self, label: str) -> SchemeSpec:
         return next(s for s in self.schemes if s.label == label)

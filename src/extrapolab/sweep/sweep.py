@@ -99,7 +99,7 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
     with Monitor(out, [j.key for j in trains], base.train.steps, workers, enabled=progress, where=ex.where) as mon:
         t1 = time.time()
         left = run_all(ex, db, trains, derived, spec.time_budget_s, t0, mon.say)
-        runs_wall = stages["runs"] = time.time() - t1
+        stages["runs"] = time.time() - t1
         ex.close()
         cost = None
         if left:
@@ -122,7 +122,7 @@ def _sweep(name_or_path, out: Path, base: C.RunConfig, spec: SweepSpec, ex, t0: 
     _say(progress, "wall time by stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in stages.items())
          + f"; {wall:.0f} s in all")
     db.close()
-    return {"report": report, "wall_s": wall, "out": out, "runs_left": left, "runs_wall_s": runs_wall,
+    return {"report": report, "wall_s": wall, "out": out, "runs_left": left, "runs_wall_s": stages["runs"],
             "overhead": ex.overhead(), "engine": ex.kind, "slots": ex.slots}
 
 
@@ -150,7 +150,7 @@ def cost_section(db: ResultsDB, base: C.RunConfig, spec: SweepSpec, vocab: dict,
     if stored and stored.get("settings") == json.loads(json.dumps(bench_settings(base, vocab[ds], trained, spec.cost_rounds))):
         return None
     t = time.time()
-    res = run_cost_bench(base, vocab[ds], trained, spec.workers, spec.cost_rounds, say)
+    res = run_cost_bench(base, vocab[ds], trained, spec.engine.workers, spec.cost_rounds, say)
     res["seconds"] = time.time() - t
     say(f"cost: bench pass done in {res['seconds']:.0f} s")
     return res
