@@ -41,6 +41,9 @@ def observe() -> list[dict]:
     for r in rows:
         r["message"] = r["message"].replace(str(base.resolve()), "$TMP").replace(str(base), "$TMP")
         r["message"] = re.sub(r"\bpid \d+", "pid N", r["message"])
+        # the Ray cases' cluster: a free port and a node id drawn at each run
+        r["message"] = re.sub(r"(127\.0\.0\.1:|--port=)\d+", r"\1PORT", r["message"])
+        r["message"] = re.sub(r"(node \d+\.\d+\.\d+\.\d+/)[0-9a-f]+", r"\1ID", r["message"])
     return rows
 
 
@@ -62,7 +65,8 @@ def render(rows: list[dict]) -> tuple[str, int, int]:
     intro = (f"{len(cases) - n_cli} catalogue cases plus {n_cli} checks of the CLI itself, as observed by "
              "`tests/test_bad_input.py` (regenerate with `.venv/bin/python scripts/catalogue.py`). "
              "\"raises X\": the API raises X; every command turns it into `error: <message>` on one line "
-             "and exit status 2. $TMP is the test's temp folder; pid N the holder's process id.")
+             "and exit status 2. $TMP is the test's temp folder; pid N the holder's process id; PORT and ID a Ray cluster's "
+             "port and node id, drawn at each run.")
     head = [START, "", *textwrap.wrap(intro, 100, break_on_hyphens=False), "",
             "| # | case | how it surfaces | observed message |", "| --- | --- | --- | --- |"]
     return "\n".join(head + lines + ["", END]), len(cases) - n_cli, n_cli
